@@ -1,0 +1,41 @@
+# hpcrl: `make demo` runs the demo, `make test` the tests; each sets up what it needs first.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: setup models data test demo bench slurm-up slurm-down lint clean distclean
+
+setup:                ## .venv with the pinned CPU stack (idempotent, ~1 s when up to date)
+	@bash tools/setup_venv.sh
+
+models: setup         ## offline models: tiny random Qwen2 (tests), SmolLM2-135M-Instruct (demo)
+	@$(PY) tools/make_tiny_model.py --out models/tiny-qwen2
+	@$(PY) tools/build_smollm2.py --out models/smollm2-135m-instruct --cache models/.cache
+
+data: setup           ## generated arithmetic word problems (verl schema) in data/arith
+	@$(PY) tools/make_arith_data.py --out data/arith
+
+slurm-up:             ## local 4-node Slurm cluster (installs Debian packages when missing; needs root)
+	@bash tools/slurm_up.sh
+
+slurm-down:           ## stop the local cluster's daemons (by pid file)
+	@bash tools/slurm_down.sh
+
+test: setup models data slurm-up   ## the whole suite, as CI runs it
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+demo: setup models data            ## GRPO demo on SmolLM2-135M-Instruct (see README)
+	@bash tools/demo.sh
+
+bench: setup models data           ## benchmarks (not run by CI); each prints ratios side by side
+	@bash tools/bench.sh
+
+lint: setup
+	$(VENV)/bin/ruff check hpcrl launchers tools tests
+
+clean:                ## run outputs and caches (keeps .venv, models and data)
+	rm -rf runs .pytest_cache .ruff_cache
+	find . -name __pycache__ -not -path './$(VENV)/*' -prune -exec rm -rf {} +
+
+distclean: clean      ## also .venv, models and data
+	rm -rf $(VENV) models data

@@ -1,0 +1,118 @@
+"""The `hpcrl` command.
+
+Every subcommand that takes a config loads and validates it first, so a bad key or layout exits
+with status 2 and a message naming the key before anything is launched or allocated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from omegaconf import DictConfig, OmegaConf
+
+from hpcrl import __version__
+from hpcrl.config import (
+    ConfigError,
+    load_config,
+    reference_enabled,
+    role_layouts,
+    rollout_layout,
+    to_yaml,
+    validate,
+    world_size,
+)
+from hpcrl.config.validate import read_hf_config
+
+EXIT_CONFIG = 2
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="YAML recipe, e.g. configs/grpo_tiny.yaml")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="override any key, e.g. trainer.total_steps=3 actor.parallel.tensor_parallel=2")
+    p.add_argument("--skip-path-checks", action="store_true",
+                   help="do not check that model/data paths exist (and skip checks that read the model), "
+                        "e.g. when preparing a cluster recipe elsewhere")
+
+
+def load_validated(args: argparse.Namespace) -> DictConfig:
+    cfg = load_config(args.config, args.overrides)
+    validate(cfg, check_paths=not args.skip_path_checks)
+    return cfg
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    cfg = load_validated(args)
+    if args.format == "json":
+        print(json.dumps(OmegaConf.to_container(cfg, resolve=True), indent=2))
+    else:
+        print(to_yaml(cfg), end="")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Print what a run of this config will occupy: ranks, layouts, batch arithmetic."""
+    cfg = load_validated(args)
+    w = world_size(cfg)
+    lines = [f"workers     {w} = trainer.nnodes {cfg.trainer.nnodes} x trainer.workers_per_node "
+             f"{cfg.trainer.workers_per_node}, plus 1 controller rank (MPI world of {w + 1})"]
+    for role, lay in role_layouts(cfg).items():
+        note = " (colocated with the actor)" if role == "reference" and cfg.reference.parallel is None else ""
+        lines.append(f"{role:<11} {lay}{note}")
+    r = rollout_layout(cfg)
+    lines.append(f"rollout     TP={r.tp} DP={r.dp}: {r.dp} vLLM engine(s) of {r.tp} rank(s) each")
+    samples = cfg.data.train_batch_size * cfg.rollout.n
+    n_mb = samples // cfg.actor.ppo_mini_batch_size
+    lines.append(f"per step    {cfg.data.train_batch_size} prompts x {cfg.rollout.n} samples = {samples} samples; "
+                 f"actor: {n_mb} mini-batch(es) x {cfg.actor.ppo_epochs} epoch(s) = "
+                 f"{n_mb * cfg.actor.ppo_epochs} optimizer step(s)")
+    lines.append(f"algorithm   {cfg.algorithm.adv_estimator} advantages, {cfg.algorithm.policy_loss} loss, "
+                 f"reference {'on' if reference_enabled(cfg) else 'off'}")
+    if not args.skip_path_checks:
+        hf = read_hf_config(cfg.model.path)
+        arch = (hf.get("architectures") or ["?"])[0]
+        lines.append(f"model       {arch}: {hf['num_hidden_layers']} layers, {hf['num_attention_heads']} heads / "
+                     f"{hf.get('num_key_value_heads', hf['num_attention_heads'])} KV heads, "
+                     f"hidden {hf.get('hidden_size')}, vocab {hf.get('vocab_size')}")
+    gpus = cfg.slurm.gpus_per_node
+    lines.append(f"slurm       het group 0: 1 node x 1 task (controller); het group 1: {cfg.trainer.nnodes} "
+                 f"node(s) x {cfg.trainer.workers_per_node} task(s)"
+                 + (f", {gpus} GPU(s) per node" if gpus else ", CPU workers"))
+    lines.append(f"run dir     {cfg.trainer.run_dir}")
+    print("\n".join(lines))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hpcrl", description="Slurm-first reinforcement learning for LLMs (PPO, GRPO and relatives).")
+    parser.add_argument("--version", action="version", version=f"hpcrl {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("config", help="print the resolved, validated config")
+    _add_config_args(p)
+    p.add_argument("--format", choices=("yaml", "json"), default="yaml")
+    p.set_defaults(func=cmd_config)
+
+    p = sub.add_parser("plan", help="print the ranks, parallel layouts and batch arithmetic of a config")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_plan)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"hpcrl {args.command}: invalid config ({len(e.problems)} problem(s)):", file=sys.stderr)
+        for problem in e.problems:
+            print(f"  - {problem}", file=sys.stderr)
+        return EXIT_CONFIG
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,307 @@
+"""Cross-field checks that types alone cannot express: enum values, ranges, the parallel layout
+arithmetic, the model's shape against that layout, and the paths a run reads.
+
+All problems are collected, not just the first, so one edit fixes a config.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from hpcrl.config.loader import ConfigError
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.dtype": ("auto", "fp32", "bf16"),
+    "actor.optim.lr_schedule": ("constant", "cosine", "linear"),
+    "critic.optim.lr_schedule": ("constant", "cosine", "linear"),
+    "actor.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
+    "actor.kl_loss_type": ("k1", "k2", "k3"),
+    "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus",
+                                "reinforce_plus_plus_baseline", "remax"),
+    "algorithm.policy_loss": ("ppo_clip", "dual_clip", "clip_higher"),
+    "algorithm.kl_penalty": ("k1", "k2", "k3"),
+    "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
+    "trainer.device": ("auto", "cpu", "cuda"),
+    "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
+    "slurm.mpi": ("pmi2", "pmix"),
+}
+
+# key -> (lowest allowed, highest allowed, inclusive low); None = unbounded
+RANGES: dict[str, tuple[float | None, float | None, bool]] = {
+    "actor.parallel.tensor_parallel": (1, None, True),
+    "actor.parallel.pipeline_parallel": (1, None, True),
+    "critic.parallel.tensor_parallel": (1, None, True),
+    "critic.parallel.pipeline_parallel": (1, None, True),
+    "rollout.tensor_parallel": (1, None, True),
+    "rollout.n": (1, None, True),
+    "rollout.temperature": (0, None, True),
+    "rollout.top_p": (0, 1, False),
+    "rollout.max_new_tokens": (1, None, True),
+    "rollout.gpu_memory_utilization": (0, 1, False),
+    "rollout.cpu_kv_cache_gib": (1, None, True),
+    "rollout.weight_bucket_mb": (1, None, True),
+    "actor.ppo_mini_batch_size": (1, None, True),
+    "actor.ppo_epochs": (1, None, True),
+    "actor.micro_batch_tokens": (1, None, True),
+    "actor.clip_ratio_low": (0, 1, False),
+    "actor.clip_ratio_high": (0, None, False),
+    "actor.clip_ratio_c": (1, None, False),
+    "actor.optim.lr": (0, None, True),
+    "critic.ppo_mini_batch_size": (1, None, True),
+    "critic.ppo_epochs": (1, None, True),
+    "critic.micro_batch_tokens": (1, None, True),
+    "algorithm.gamma": (0, 1, True),
+    "algorithm.lam": (0, 1, True),
+    "reward.timeout_s": (0, None, False),
+    "data.max_prompt_length": (1, None, True),
+    "data.train_batch_size": (1, None, True),
+    "data.val_batch_size": (1, None, True),
+    "trainer.total_steps": (0, None, True),
+    "trainer.val_every": (0, None, True),
+    "trainer.nnodes": (1, None, True),
+    "trainer.workers_per_node": (1, None, True),
+    "trainer.timeout_s": (1, None, True),
+    "checkpoint.save_every": (0, None, True),
+    "checkpoint.keep_last": (1, None, True),
+    "checkpoint.keep_every": (0, None, True),
+    "slurm.gpus_per_node": (0, None, True),
+    "slurm.cpus_per_worker": (1, None, True),
+    "slurm.signal_before_s": (0, None, True),
+}
+
+_SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$|^\d+-\d+$")
+_ENTRY_POINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Parallel layout of one role over the worker ranks."""
+
+    tp: int
+    pp: int
+    dp: int
+
+    def __str__(self) -> str:
+        return f"TP={self.tp} PP={self.pp} DP={self.dp}"
+
+
+def world_size(cfg: DictConfig) -> int:
+    """Number of worker ranks (the controller rank is not counted)."""
+    return cfg.trainer.nnodes * cfg.trainer.workers_per_node
+
+
+def critic_enabled(cfg: DictConfig) -> bool:
+    return cfg.critic.enable if cfg.critic.enable is not None else cfg.algorithm.adv_estimator == "gae"
+
+
+def reference_enabled(cfg: DictConfig) -> bool:
+    if cfg.reference.enable is not None:
+        return cfg.reference.enable
+    return bool(cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+
+
+def role_layouts(cfg: DictConfig) -> dict[str, Layout]:
+    """Training layouts of the enabled Megatron roles (assumes a validated config)."""
+    w = world_size(cfg)
+    par = {"actor": cfg.actor.parallel}
+    if critic_enabled(cfg):
+        par["critic"] = cfg.critic.parallel
+    if reference_enabled(cfg):
+        par["reference"] = cfg.reference.parallel or cfg.actor.parallel
+    return {role: Layout(p.tensor_parallel, p.pipeline_parallel, w // (p.tensor_parallel * p.pipeline_parallel))
+            for role, p in par.items()}
+
+
+def rollout_layout(cfg: DictConfig) -> Layout:
+    tp = cfg.rollout.tensor_parallel
+    return Layout(tp, 1, world_size(cfg) // tp)
+
+
+def _get(cfg: DictConfig, dotted: str) -> Any:
+    node: Any = cfg
+    for part in dotted.split("."):
+        node = node[part]
+    return node
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _check_choices_and_ranges(cfg: DictConfig, problems: list[str]) -> None:
+    for key, allowed in CHOICES.items():
+        value = _get(cfg, key)
+        if value not in allowed:
+            problems.append(f"{key}={value!r}: not one of {', '.join(allowed)}.")
+    for key, (lo, hi, lo_inclusive) in RANGES.items():
+        value = _get(cfg, key)
+        if value is None:
+            continue
+        too_low = lo is not None and (value < lo if lo_inclusive else value <= lo)
+        too_high = hi is not None and value > hi
+        if too_low or too_high:
+            lo_s = "" if lo is None else f"{'>=' if lo_inclusive else '>'} {lo}"
+            hi_s = "" if hi is None else f"<= {hi}"
+            problems.append(f"{key}={value}: must be {' and '.join(s for s in (lo_s, hi_s) if s)}.")
+    top_k = cfg.rollout.top_k
+    if top_k != -1 and top_k < 1:
+        problems.append(f"rollout.top_k={top_k}: must be -1 (off) or >= 1.")
+    if not _SLURM_TIME.match(str(cfg.slurm.time)):
+        problems.append(f"slurm.time={cfg.slurm.time!r}: not a Slurm time. Use MM, HH:MM:SS or D-HH:MM:SS.")
+    if cfg.reward.function != "builtin" and not _ENTRY_POINT.match(cfg.reward.function):
+        problems.append(f"reward.function={cfg.reward.function!r}: use 'builtin' or 'package.module:function'.")
+    ck = cfg.checkpoint
+    if ck.keep_every and ck.save_every and ck.keep_every % ck.save_every:
+        problems.append(f"checkpoint.keep_every={ck.keep_every}: must be a multiple of "
+                        f"checkpoint.save_every={ck.save_every}, or no checkpoint is ever kept.")
+
+
+def _check_layout(cfg: DictConfig, problems: list[str]) -> None:
+    w = world_size(cfg)
+    where = (f"the {w} workers (trainer.nnodes={cfg.trainer.nnodes} x "
+             f"trainer.workers_per_node={cfg.trainer.workers_per_node})")
+    roles = {"actor": cfg.actor.parallel}
+    if critic_enabled(cfg):
+        roles["critic"] = cfg.critic.parallel
+    if reference_enabled(cfg) and cfg.reference.parallel is not None:
+        roles["reference"] = cfg.reference.parallel
+    for role, p in roles.items():
+        tp, pp = p.tensor_parallel, p.pipeline_parallel
+        if tp < 1 or pp < 1:
+            continue  # reported by the range check
+        if w % (tp * pp):
+            problems.append(
+                f"{role}.parallel.tensor_parallel={tp}, {role}.parallel.pipeline_parallel={pp}: "
+                f"TP x PP = {tp * pp} does not divide {where}; world size {w} needs TP x PP in "
+                f"{{{_divisors(w)}}}.")
+        elif p.data_parallel is not None and p.data_parallel * tp * pp != w:
+            problems.append(
+                f"{role}.parallel.data_parallel={p.data_parallel}: TP x PP x DP = {tp}x{pp}x{p.data_parallel} "
+                f"= {tp * pp * p.data_parallel}, but world size is {w} ({where}). "
+                f"Use {w // (tp * pp)} or leave it null.")
+    rtp = cfg.rollout.tensor_parallel
+    if rtp >= 1 and w % rtp:
+        problems.append(f"rollout.tensor_parallel={rtp}: does not divide {where}; world size {w} needs "
+                        f"a rollout TP in {{{_divisors(w)}}}.")
+    if cfg.algorithm.adv_estimator == "gae" and cfg.critic.enable is False:
+        problems.append("critic.enable=false: algorithm.adv_estimator=gae needs a critic. "
+                        "Enable it or pick grpo/rloo/reinforce_plus_plus/remax.")
+    if cfg.algorithm.adv_estimator in ("grpo", "rloo") and cfg.rollout.n < 2:
+        problems.append(f"rollout.n={cfg.rollout.n}: {cfg.algorithm.adv_estimator} compares samples of one "
+                        "prompt and needs rollout.n >= 2.")
+
+    samples = cfg.data.train_batch_size * cfg.rollout.n
+    for role in ("actor", "critic") if critic_enabled(cfg) else ("actor",):
+        mb = _get(cfg, f"{role}.ppo_mini_batch_size")
+        if mb >= 1 and samples % mb:
+            problems.append(f"{role}.ppo_mini_batch_size={mb}: must divide the {samples} samples of a step "
+                            f"(data.train_batch_size={cfg.data.train_batch_size} x rollout.n={cfg.rollout.n}).")
+    tp_pp = cfg.actor.parallel.tensor_parallel * cfg.actor.parallel.pipeline_parallel
+    mb = cfg.actor.ppo_mini_batch_size
+    if tp_pp >= 1 and w % tp_pp == 0 and mb >= 1 and mb % (w // tp_pp):
+        problems.append(f"actor.ppo_mini_batch_size={mb}: must be a multiple of the actor's data-parallel "
+                        f"size {w // tp_pp}, so every DP rank gets the same number of samples.")
+
+
+def read_hf_config(model_path: str) -> dict[str, Any]:
+    with open(Path(model_path) / "config.json") as f:
+        return json.load(f)
+
+
+def _check_model_shape(cfg: DictConfig, hf: dict[str, Any], problems: list[str]) -> None:
+    heads = hf.get("num_attention_heads")
+    kv = hf.get("num_key_value_heads") or heads
+    layers = hf.get("num_hidden_layers")
+    if not (heads and layers):
+        problems.append(f"model.path={cfg.model.path!r}: config.json lacks num_attention_heads/"
+                        "num_hidden_layers; hpcrl supports Llama- and Qwen2-family models.")
+        return
+    for role, lay in role_layouts(cfg).items() if not _layout_broken(cfg) else ():
+        key = f"{role}.parallel" if role != "reference" or cfg.reference.parallel is not None else "actor.parallel"
+        # Megatron splits query heads and KV groups across TP, and whole layers across PP.
+        if heads % lay.tp or kv % lay.tp:
+            problems.append(f"{key}.tensor_parallel={lay.tp}: the model has {heads} attention heads and {kv} "
+                            f"KV heads; TP must divide both (allowed: {_divisors(_gcd(heads, kv))}).")
+        if layers % lay.pp:
+            problems.append(f"{key}.pipeline_parallel={lay.pp}: the model has {layers} layers; PP must divide "
+                            f"it (allowed: {_divisors(layers)}).")
+    rtp = cfg.rollout.tensor_parallel
+    # vLLM replicates KV heads when TP exceeds them, so only the query heads must split evenly.
+    if rtp >= 1 and (heads % rtp or (kv % rtp and rtp % kv)):
+        problems.append(f"rollout.tensor_parallel={rtp}: the model has {heads} attention heads and {kv} KV "
+                        "heads; vLLM needs TP to divide the heads, and the KV heads to divide or be divisible "
+                        "by TP.")
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+def _layout_broken(cfg: DictConfig) -> bool:
+    w = world_size(cfg)
+    return any(p.tensor_parallel < 1 or p.pipeline_parallel < 1 or w % (p.tensor_parallel * p.pipeline_parallel)
+               for p in (cfg.actor.parallel, cfg.critic.parallel, cfg.reference.parallel or cfg.actor.parallel))
+
+
+def _check_paths(cfg: DictConfig, problems: list[str]) -> dict[str, Any] | None:
+    hf = None
+    mp = Path(cfg.model.path)
+    if not (mp / "config.json").is_file():
+        why = "does not exist" if not mp.exists() else "has no config.json"
+        problems.append(f"model.path={cfg.model.path!r}: {why}. Point it at a local HuggingFace model folder "
+                        "(`make models` builds the offline ones into models/).")
+    else:
+        try:
+            hf = read_hf_config(str(mp))
+        except (OSError, json.JSONDecodeError) as e:
+            problems.append(f"model.path={cfg.model.path!r}: config.json unreadable: {e}.")
+    for key in ("model.tokenizer_path", "critic.model_path", "reward.model_path"):
+        value = _get(cfg, key)
+        if value is not None and not Path(value).exists():
+            problems.append(f"{key}={value!r}: does not exist.")
+    for key in ("data.train_files", "data.val_files"):
+        for i, f in enumerate(_get(cfg, key)):
+            if not Path(f).is_file():
+                problems.append(f"{key}[{i}]={f!r}: no such file. `make data` writes the arithmetic sets "
+                                "into data/.")
+            elif not f.endswith((".parquet", ".jsonl", ".json")):
+                problems.append(f"{key}[{i}]={f!r}: must be .parquet or .jsonl.")
+    if not cfg.data.train_files:
+        problems.append("data.train_files: empty. List at least one .parquet or .jsonl file.")
+    if cfg.checkpoint.resume not in ("auto", "never") and not Path(cfg.checkpoint.resume).is_dir():
+        problems.append(f"checkpoint.resume={cfg.checkpoint.resume!r}: use auto, never, or an existing "
+                        "checkpoint folder.")
+    fn = cfg.reward.function
+    if fn != "builtin" and _ENTRY_POINT.match(fn):
+        module = fn.split(":")[0]
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            problems.append(f"reward.function={fn!r}: module {module!r} is not importable. Put it on "
+                            "PYTHONPATH on every node.")
+    return hf
+
+
+def validate(cfg: DictConfig, check_paths: bool = True) -> None:
+    """Raise ConfigError listing every problem. `check_paths=False` skips files and the model's shape
+    (for preparing a cluster recipe on a machine that cannot see the cluster's filesystem)."""
+    problems: list[str] = []
+    _check_choices_and_ranges(cfg, problems)
+    _check_layout(cfg, problems)
+    if check_paths:
+        hf = _check_paths(cfg, problems)
+        if hf is not None:
+            _check_model_shape(cfg, hf, problems)
+    if problems:
+        raise ConfigError(problems)

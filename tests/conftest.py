@@ -1,0 +1,74 @@
+"""Shared test setup: paths, the offline environment, and the Slurm / GPU gates.
+
+Slurm tests run against the real local cluster (`make slurm-up`, which `make test` runs). Without a
+cluster they are skipped on a workstation, but with CI=true they run and fail, so CI can never go
+green by skipping them. GPU tests are skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PYTHON = sys.executable
+HPCRL = str(Path(sys.executable).with_name("hpcrl"))
+TINY_MODEL = REPO / "models" / "tiny-qwen2"
+SMOLLM2 = REPO / "models" / "smollm2-135m-instruct"
+ARITH = REPO / "data" / "arith"
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+# Tests never reach a model hub: everything they load is built offline by `make models`.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def slurm_problem() -> str | None:
+    """Why the local Slurm cluster cannot be used, or None when it answers."""
+    if shutil.which("sinfo") is None:
+        return "Slurm is not installed (run `make slurm-up` as root)"
+    try:
+        r = subprocess.run(["sinfo", "-h", "-o", "%P"], capture_output=True, text=True, timeout=15)
+    except subprocess.TimeoutExpired:
+        return "sinfo timed out: slurmctld is not answering (run `make slurm-up`)"
+    if r.returncode != 0:
+        return f"sinfo failed: {r.stderr.strip()[:200]} (run `make slurm-up`)"
+    return None
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except Exception:  # a broken CUDA install counts as no GPU
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    slurm_items = [i for i in items if "slurm" in i.keywords]
+    problem = slurm_problem() if slurm_items else None
+    if problem and not IN_CI:
+        for item in slurm_items:
+            item.add_marker(pytest.mark.skipif(True, reason=problem))
+    if not cuda_available():
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(pytest.mark.skipif(True, reason="no CUDA device"))
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> None:
+    """The local cluster must answer; in CI its absence is a failure, not a skip."""
+    problem = slurm_problem()
+    if problem:
+        pytest.fail(f"local Slurm cluster unusable: {problem}")
+
+
+def run(cmd: list[str], timeout: float = 120, **kw) -> subprocess.CompletedProcess:
+    """Run a command from the repo root, capturing text output."""
+    return subprocess.run(cmd, cwd=kw.pop("cwd", REPO), capture_output=True, text=True, timeout=timeout, **kw)

