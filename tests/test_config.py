@@ -54,10 +54,17 @@ def test_overrides_are_typed_and_interpolations_resolved() -> None:
 
 
 def test_override_fills_a_null_section_from_its_dataclass() -> None:
-    cfg = load_config(TINY, ["reference.enable=true", "reference.parallel.pipeline_parallel=2"])
-    assert cfg.reference.parallel.tensor_parallel == 1 and cfg.reference.parallel.pipeline_parallel == 2
+    cfg = load_config(TINY, ["reference.enable=true", "reference.parallel.tensor_parallel=2"])
+    assert cfg.reference.parallel.tensor_parallel == 2 and cfg.reference.parallel.pipeline_parallel == 1
     validate(cfg)
     assert role_layouts(cfg)["reference"].dp == 2
+
+
+def test_colocated_megatron_roles_share_one_layout() -> None:
+    (msg,) = problems_of("algorithm.adv_estimator=gae", "critic.parallel.tensor_parallel=1")
+    assert msg.startswith("critic.parallel: TP=1 PP=1 differs from actor.parallel (TP=2 PP=1)")
+    (msg,) = problems_of("reference.enable=true", "reference.parallel.pipeline_parallel=2")
+    assert msg.startswith("reference.parallel:")
 
 
 def test_unknown_key_named_in_yaml_and_override(tmp_path) -> None:

@@ -58,6 +58,9 @@ class ActorConfig:
     ppo_epochs: int = 1
     # Token budget of one packed micro-batch (sequence packing, no padding).
     micro_batch_tokens: int = 4096
+    # false: the padded baseline, micro_batch_size whole sequences per micro-batch
+    packing: bool = True
+    micro_batch_size: int = 4
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     # Dual-clip lower bound for negative advantages (Ye et al. 2020); must be > 1.
@@ -83,6 +86,8 @@ class CriticConfig:
     ppo_mini_batch_size: int = 16
     ppo_epochs: int = 1
     micro_batch_tokens: int = 4096
+    packing: bool = True
+    micro_batch_size: int = 4
     cliprange_value: float = 0.5
 
 

@@ -50,6 +50,8 @@ RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     "actor.ppo_mini_batch_size": (1, None, True),
     "actor.ppo_epochs": (1, None, True),
     "actor.micro_batch_tokens": (1, None, True),
+    "actor.micro_batch_size": (1, None, True),
+    "critic.micro_batch_size": (1, None, True),
     "actor.clip_ratio_low": (0, 1, False),
     "actor.clip_ratio_high": (0, None, False),
     "actor.clip_ratio_c": (1, None, False),
@@ -190,6 +192,14 @@ def _check_layout(cfg: DictConfig, problems: list[str]) -> None:
     if rtp >= 1 and w % rtp:
         problems.append(f"rollout.tensor_parallel={rtp}: does not divide {where}; world size {w} needs "
                         f"a rollout TP in {{{_divisors(w)}}}.")
+    # megatron's process groups are per process, and the roles are colocated on the same ranks
+    shared = {"critic": cfg.critic.parallel if critic_enabled(cfg) else None, "reference": cfg.reference.parallel}
+    a = cfg.actor.parallel
+    for role, p in shared.items():
+        if p is not None and (p.tensor_parallel, p.pipeline_parallel) != (a.tensor_parallel, a.pipeline_parallel):
+            problems.append(f"{role}.parallel: TP={p.tensor_parallel} PP={p.pipeline_parallel} differs from "
+                            f"actor.parallel (TP={a.tensor_parallel} PP={a.pipeline_parallel}); colocated Megatron "
+                            "roles share one layout. Set both alike (or leave reference.parallel null).")
     if cfg.algorithm.adv_estimator == "gae" and cfg.critic.enable is False:
         problems.append("critic.enable=false: algorithm.adv_estimator=gae needs a critic. "
                         "Enable it or pick grpo/rloo/reinforce_plus_plus/remax.")

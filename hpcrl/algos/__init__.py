@@ -1,0 +1,1 @@
+"""RL algorithm pieces: policy and value losses, KL estimators (advantage estimators land here too)."""

@@ -1,0 +1,1 @@
+"""Megatron-core trainer: model build from HF configs, weight conversion, packing, the engine."""

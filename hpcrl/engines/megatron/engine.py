@@ -1,0 +1,459 @@
+"""One rank's share of a Megatron-core model role: build, load HF weights, forward for log-probs
+or values, PPO-family updates, export back to HF.
+
+The engine is launch-agnostic: it needs torch.distributed initialised among the worker ranks and
+megatron's parallel_state set up for its layout (see `init_model_parallel`); the worker-group
+methods of the controller runtime call into it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hpcrl.engines.megatron.convert import SafetensorsReader, hf_to_megatron, megatron_to_hf
+from hpcrl.engines.megatron.cpu_compat import apply_cpu_compat
+from hpcrl.engines.megatron.model import ModelArch, build_gpt_model, read_arch
+from hpcrl.engines.megatron.packing import (
+    PackedMicroBatch,
+    pack,
+    plan_micro_batches,
+    plan_padded_micro_batches,
+    unpack_token_values,
+)
+
+
+def init_model_parallel(tp: int, pp: int, seed: int = 1234, timeout_minutes: int = 10) -> None:
+    """Megatron's process groups over the already-initialised torch.distributed world.
+
+    Rank order is megatron's default (tp-cp-ep-dp-pp): TP varies fastest, then DP, then PP.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    apply_cpu_compat()
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 distributed_timeout_minutes=timeout_minutes)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+class ValueHead(torch.nn.Module):
+    """Scalar value per position, in place of the vocab-parallel output layer (critic role).
+
+    Replicated on every TP rank: its input is replicated there, so its gradients agree without
+    any reduction, like a norm weight."""
+
+    def __init__(self, hidden: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden, dtype=dtype))
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+
+    def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
+        return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
+
+
+@dataclass
+class OptimSettings:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    lr_schedule: str = "constant"  # constant | cosine | linear
+    warmup_steps: int = 0
+    total_steps: int = 1000
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+
+
+def lr_factor(step: int, s: OptimSettings) -> float:
+    """Multiplier of the base LR at optimizer step `step` (warmup, then the schedule to min_lr)."""
+    if s.warmup_steps and step < s.warmup_steps:
+        return (step + 1) / s.warmup_steps
+    if s.lr_schedule == "constant":
+        return 1.0
+    span = max(s.total_steps - s.warmup_steps, 1)
+    progress = min(max(step - s.warmup_steps, 0) / span, 1.0)
+    floor = s.min_lr / s.lr if s.lr else 0.0
+    if s.lr_schedule == "linear":
+        return floor + (1.0 - floor) * (1.0 - progress)
+    import math
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass
+class EngineOptions:
+    dtype: torch.dtype = torch.float32
+    # Packed micro-batches of at most this many tokens; packing=False is the padded baseline
+    # (micro_batch_size whole sequences per micro-batch, each padded to the longest).
+    micro_batch_tokens: int = 4096
+    packing: bool = True
+    micro_batch_size: int = 4
+    use_te: bool | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def thd_params(mb: PackedMicroBatch, device: Any):
+    """Transformer Engine's packed-sequence description of a one-row micro-batch: cumulative
+    sequence boundaries (the tail padding is one more segment), so attention and RoPE restart at
+    every sequence."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    bounds = [0]
+    for _, _, offset, n in mb.placement:
+        bounds.append(offset + n)
+    if bounds[-1] < mb.tokens.shape[1]:
+        bounds.append(mb.tokens.shape[1])
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    longest = int((cu[1:] - cu[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                           max_seqlen_kv=longest)
+
+
+class MegatronEngine:
+    """This rank's shard of one model (actor, reference or critic)."""
+
+    def __init__(self, model_path: str, options: EngineOptions | None = None, value_head: bool = False,
+                 optim: OptimSettings | None = None):
+        from megatron.core import parallel_state as ps
+
+        self.options = options or EngineOptions()
+        self.value_head = value_head
+        arch = read_arch(model_path)
+        if value_head and arch.tie_word_embeddings:
+            # the critic's head is its own parameter, never the embedding
+            from dataclasses import replace
+            arch = replace(arch, tie_word_embeddings=False)
+        self.arch: ModelArch = arch
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.tp_size = ps.get_tensor_model_parallel_world_size()
+        self.pp_rank = ps.get_pipeline_model_parallel_rank()
+        self.pp_size = ps.get_pipeline_model_parallel_world_size()
+        self.dp_rank = ps.get_data_parallel_rank()
+        self.dp_size = ps.get_data_parallel_world_size()
+        self.model = build_gpt_model(self.arch, self.options.dtype, self.options.use_te)
+        self.spec = self.model.hpcrl_spec
+        if value_head and self.model.post_process:
+            self.model.output_layer = ValueHead(self.arch.hidden_size, self.options.dtype).to(
+                next(self.model.parameters()).device)
+        self.load_hf(model_path)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.optim = optim
+        self.step_count = 0
+        # bf16 weights get fp32 master copies for the optimizer (as megatron's mixed-precision
+        # optimizer does): Adam's small updates vanish when added to bf16 weights directly.
+        self.master: list[torch.nn.Parameter] | None = None
+        if optim is not None:
+            params = list(self.model.parameters())
+            if self.options.dtype != torch.float32:
+                self.master = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
+                params = self.master
+            self.optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, eps=optim.eps,
+                                               weight_decay=optim.weight_decay)
+
+    # weights -----------------------------------------------------------------------------------
+    def load_hf(self, model_path: str) -> None:
+        """Load this shard from a HF folder, reading only the tensors it needs."""
+        reader = SafetensorsReader(model_path)
+        shard = hf_to_megatron(self.arch, reader, self.tp_rank, self.tp_size, self.pp_rank, self.pp_size,
+                               self.spec, lm_head=not self.value_head)
+        if self.value_head and self.model.post_process:
+            # a fresh head: the LM head's weights are not values
+            shard.update({f"output_layer.{k}": v for k, v in self.model.output_layer.state_dict().items()})
+        self.load_megatron_shard(shard)
+
+    def load_megatron_shard(self, shard: dict[str, torch.Tensor]) -> None:
+        own = self.model.state_dict()
+        params = {k for k in own if not k.endswith("_extra_state")}
+        missing, unexpected = params - shard.keys(), shard.keys() - params
+        if missing or unexpected:
+            raise RuntimeError(f"weight shard does not fit the model: missing {sorted(missing)[:5]}, "
+                               f"unexpected {sorted(unexpected)[:5]}")
+        with torch.no_grad():
+            for k, v in shard.items():
+                if own[k].shape != v.shape:
+                    raise RuntimeError(f"{k}: checkpoint shape {tuple(v.shape)} != model {tuple(own[k].shape)}")
+                own[k].copy_(v)
+
+    def megatron_shard(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
+
+    def export_hf_stage(self) -> dict[str, torch.Tensor] | None:
+        """Gather the TP shards of this pipeline stage; TP rank 0 gets the stage's HF tensors."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        mine = {k: v.detach().cpu() for k, v in self.megatron_shard().items() if not k.startswith("output_layer.")
+                or not self.value_head}
+        if self.tp_size == 1:
+            return megatron_to_hf(self.arch, [mine], self.pp_rank, self.pp_size, self.spec)
+        gathered: list[Any] = [None] * self.tp_size
+        dist.all_gather_object(gathered, mine, group=ps.get_tensor_model_parallel_group())
+        if self.tp_rank != 0:
+            return None
+        return megatron_to_hf(self.arch, gathered, self.pp_rank, self.pp_size, self.spec)
+
+    # device memory -----------------------------------------------------------------------------
+    def offload(self) -> bool:
+        """Move parameters, gradients and optimizer state to pinned host memory, so the colocated
+        rollout engine can use the device memory. No-op (False) without CUDA."""
+        return self._move("cpu")
+
+    def onload(self) -> bool:
+        """Bring everything `offload` moved back onto this rank's GPU."""
+        return self._move(f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu")
+
+    def _move(self, device: str) -> bool:
+        if not torch.cuda.is_available():
+            return False
+
+        def to(t: torch.Tensor) -> torch.Tensor:
+            if device == "cpu":
+                host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+                return host.copy_(t.detach(), non_blocking=True)
+            return t.to(device, non_blocking=True)
+
+        for p in self.model.parameters():
+            p.data = to(p.data)
+            p.grad = None  # gradients are dead between steps
+        for m in self.master or []:
+            m.data = to(m.data)
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for k, v in state.items():
+                    if torch.is_tensor(v) and v.dim() > 0:
+                        state[k] = to(v)
+        torch.cuda.synchronize()
+        if device == "cpu":
+            torch.cuda.empty_cache()
+        return True
+
+    # forward -----------------------------------------------------------------------------------
+    def _micro_batches(self, seqs: list[torch.Tensor], token_fields: dict[str, list[torch.Tensor]] | None = None
+                       ) -> list[PackedMicroBatch]:
+        lengths = [int(s.numel()) for s in seqs]
+        if self.options.packing:
+            groups = plan_micro_batches(lengths, self.options.micro_batch_tokens)
+            rows_of = [[g] for g in groups]  # one packed row per micro-batch
+            length = max(sum(lengths[i] for i in g) for g in groups)
+        else:
+            groups = plan_padded_micro_batches(len(seqs), self.options.micro_batch_size)
+            # a short last micro-batch gets empty rows: every micro-batch must have one shape
+            rows_of = [[[i] for i in g] + [[]] * (self.options.micro_batch_size - len(g)) for g in groups]
+            length = max(lengths)
+        # every micro-batch has one shape: pipeline stages exchange fixed-size activations
+        return [pack(seqs, rows, length, token_fields) for rows in rows_of]
+
+    def _run(self, mbs: list[PackedMicroBatch], loss_fn: Callable, forward_only: bool) -> list[Any]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+
+        te = self.spec == "te"
+
+        def forward_step(it: Iterator[PackedMicroBatch], model: torch.nn.Module):
+            mb = next(it)
+            tokens, positions = mb.tokens.to(device), mb.position_ids.to(device)
+            if not te:  # local spec: the block-diagonal causal mask carries the packing
+                out = model(tokens, positions, mb.attention_mask.to(device))
+            elif len(mb.placement) > mb.tokens.shape[0]:  # TE, packed: THD layout with per-sequence RoPE
+                out = model(tokens, positions, None, packed_seq_params=thd_params(mb, device))
+            else:  # TE, one right-padded sequence per row: plain causal attention is exact
+                out = model(tokens, positions, None)
+            return out, lambda output: loss_fn(output, mb)
+
+        b, t = mbs[0].tokens.shape
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(mbs), model=self.model,
+            num_microbatches=len(mbs), seq_length=t, micro_batch_size=b, forward_only=forward_only)
+
+    def token_logprobs(self, logits: torch.Tensor, mb: PackedMicroBatch) -> torch.Tensor:
+        """log p(label) per position from vocab-parallel logits [B, T, V/TP] -> [B, T]."""
+        from megatron.core import tensor_parallel
+
+        logits = logits.float()
+        vocab_per_rank = logits.shape[-1]
+        start = self.tp_rank * vocab_per_rank
+        if start + vocab_per_rank > self.arch.vocab_size:  # padded vocab rows are not tokens
+            pad_from = max(self.arch.vocab_size - start, 0)
+            logits = logits.clone()
+            logits[..., pad_from:] = float("-inf")
+        labels = mb.labels.to(logits.device)
+        nll = tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(), labels.t().contiguous())
+        return -nll.t()
+
+    @torch.no_grad()
+    def compute_values(self, seqs: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Per-position values (entry t: the state seq[:t+1]) from the value head; last stage only."""
+        assert self.value_head, "compute_values needs an engine built with value_head=True"
+        self.model.eval()
+        mbs = self._micro_batches(seqs)
+
+        def loss_fn(output: torch.Tensor, mb: PackedMicroBatch):
+            v = output[..., 0].float()
+            return v.sum() * 0.0, torch.tensor(1), {"values": v.detach().cpu(), "mb": mb}
+
+        store = self._run(mbs, loss_fn, forward_only=True)
+        if not store:
+            return None
+        out: dict[int, torch.Tensor] = {}
+        for item in store:
+            out.update(unpack_token_values(item["values"], item["mb"]))
+        return [out[i].clone() for i in range(len(seqs))]
+
+    @torch.no_grad()
+    def compute_logprob(self, seqs: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Per-token log-probs of each sequence (entry t: log p(seq[t+1] | seq[:t+1])).
+
+        Returned on the last pipeline stage (every TP rank of it); other stages return None."""
+        self.model.eval()
+        mbs = self._micro_batches(seqs)
+
+        def loss_fn(output: torch.Tensor, mb: PackedMicroBatch):
+            lp = self.token_logprobs(output, mb)
+            return lp.sum() * 0.0, torch.tensor(1), {"logprob": lp.detach().cpu(), "mb": mb}
+
+        store = self._run(mbs, loss_fn, forward_only=True)
+        if not store:
+            return None
+        out: dict[int, torch.Tensor] = {}
+        for item in store:
+            out.update(unpack_token_values(item["logprob"], item["mb"]))
+        return [out[i].clone() for i in range(len(seqs))]
+
+    def token_entropy(self, logits: torch.Tensor) -> torch.Tensor:
+        """Entropy of the full-vocabulary distribution per position from vocab-parallel logits."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+        logits = logits.float()
+        vocab_per_rank = logits.shape[-1]
+        start = self.tp_rank * vocab_per_rank
+        if start + vocab_per_rank > self.arch.vocab_size:
+            logits = logits.clone()
+            logits[..., max(self.arch.vocab_size - start, 0):] = float("-inf")
+        with torch.no_grad():
+            m = logits.max(dim=-1, keepdim=True).values
+            if self.tp_size > 1:
+                torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX,
+                                             group=ps.get_tensor_model_parallel_group())
+        e = torch.exp(logits - m)
+        z = reduce_from_tensor_model_parallel_region(e.sum(-1))
+        ez = reduce_from_tensor_model_parallel_region(torch.nan_to_num(e * (logits - m)).sum(-1))
+        return torch.log(z) - ez / z
+
+    # training ----------------------------------------------------------------------------------
+    def train_step(self, seqs: list[torch.Tensor], token_fields: dict[str, list[torch.Tensor]],
+                   loss_fn: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]],
+                   need_entropy: bool = False) -> dict[str, float]:
+        """One optimizer step over this rank's part of a mini-batch.
+
+        loss_fn(output, entropy, fields) gets per-token log-probs (actor) or values (critic) laid out
+        like labels, and returns (weighted loss sum, metric sums). The weights in `token_fields` are
+        normalised over the whole mini-batch, so gradients are summed (not averaged) over DP."""
+        assert self.optimizer is not None and self.optim is not None, "engine built without an optimizer"
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        mbs = self._micro_batches(seqs, token_fields)
+
+        def micro_loss(output: torch.Tensor, mb: PackedMicroBatch):
+            if self.value_head:
+                out = output[..., 0].float()
+                entropy = None
+            else:
+                out = self.token_logprobs(output, mb)
+                entropy = self.token_entropy(output) if need_entropy else None
+            fields = {k: v.to(out.device) for k, v in mb.extra.items()}
+            fields["label_mask"] = mb.label_mask.to(out.device)
+            loss, metrics = loss_fn(out, entropy, fields)
+            return loss, torch.tensor(1, dtype=torch.int), {k: v.detach().float().cpu() for k, v in
+                                                            {"loss": loss, **metrics}.items()}
+
+        store = self._run(mbs, micro_loss, forward_only=False)
+        self._finish_grads()
+        grad_norm = self._clip_grads(self.optim.clip_grad)
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.optim.lr * lr_factor(self.step_count, self.optim)
+        if self.master is not None:
+            for p, m in zip(self.model.parameters(), self.master):
+                m.grad = p.grad.float() if p.grad is not None else None
+        self.optimizer.step()
+        if self.master is not None:
+            with torch.no_grad():
+                for p, m in zip(self.model.parameters(), self.master):
+                    p.copy_(m)
+        self.step_count += 1
+        sums = self._sum_metrics(store)
+        return {**sums, "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"]}
+
+    def _sum_metrics(self, store: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """Metric sums over micro-batches, DP ranks and (from the last stage) the pipeline."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        keys_holder = [sorted(store[0]) if store else []]
+        dist.broadcast_object_list(keys_holder, src=ps.get_pipeline_model_parallel_last_rank(),
+                                   group=ps.get_pipeline_model_parallel_group())
+        keys = keys_holder[0]
+        vec = torch.zeros(len(keys), dtype=torch.float64)
+        for item in store:
+            vec += torch.tensor([float(item[k]) for k in keys], dtype=torch.float64)
+        last, pp_group = ps.get_pipeline_model_parallel_last_rank(), ps.get_pipeline_model_parallel_group()
+        dist.broadcast(vec, src=last, group=pp_group)
+        dist.all_reduce(vec, group=ps.get_data_parallel_group())
+        return dict(zip(keys, vec.tolist(), strict=False))
+
+    def _finish_grads(self) -> None:
+        """Sum gradients over DP, and tie the embedding's two copies when PP splits them."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.dp_size > 1:
+            grads = [p.grad for p in params]
+            flat = _flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=ps.get_data_parallel_group())
+            for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=False):
+                g.copy_(synced)
+        if self.arch.tie_word_embeddings and self.pp_size > 1 and ps.is_rank_in_embedding_group():
+            w = self.model.shared_embedding_or_output_weight()
+            dist.all_reduce(w.grad, group=ps.get_embedding_group())
+
+    def _clip_grads(self, max_norm: float) -> float:
+        """Global L2 norm over the model's true parameters: TP shards summed over TP, replicated
+        tensors counted once, pipeline stages summed, the tied output copy skipped."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        sharded = torch.zeros(1, dtype=torch.float64)
+        replicated = torch.zeros(1, dtype=torch.float64)
+        tied_copy = (self.model.output_layer.weight if self.arch.tie_word_embeddings and self.pp_size > 1
+                     and not self.model.pre_process and self.model.post_process else None)
+        for p in self.model.parameters():
+            if p.grad is None or p is tied_copy:
+                continue
+            sq = p.grad.detach().double().square().sum()
+            if getattr(p, "tensor_model_parallel", False):
+                sharded += sq
+            else:
+                replicated += sq
+        if self.tp_size > 1:
+            dist.all_reduce(sharded, group=ps.get_tensor_model_parallel_group())
+        total = sharded + replicated
+        if self.pp_size > 1:
+            dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
+        norm = float(total.sqrt())
+        if max_norm > 0 and norm > max_norm:
+            scale = max_norm / (norm + 1e-6)
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        return norm

@@ -1,0 +1,186 @@
+"""Build a megatron-core GPTModel from a HuggingFace config (Llama and Qwen2 families).
+
+The HF config is read once into `ModelArch`; everything downstream (layer specs, weight
+conversion, the rollout engine's name map) works from that one record.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "llama"}
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    """The shape of a Llama/Qwen2-family decoder, as megatron needs it."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    # Llama-3.1-style frequency scaling of RoPE (factor), or None
+    rope_llama3_factor: float | None = None
+
+    @property
+    def heads_per_group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+def read_arch(model_path: str | Path) -> ModelArch:
+    """Read config.json of a local HF folder; refuse families hpcrl does not convert."""
+    with open(Path(model_path) / "config.json") as f:
+        hf: dict[str, Any] = json.load(f)
+    arch = (hf.get("architectures") or ["?"])[0]
+    if arch not in SUPPORTED:
+        raise ValueError(f"{model_path}: architecture {arch!r} is not supported; hpcrl converts "
+                         f"{', '.join(sorted(SUPPORTED))}.")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    if rope_type not in ("default", "llama3"):
+        raise ValueError(f"{model_path}: RoPE type {rope_type!r} is not supported (default, llama3).")
+    heads = hf["num_attention_heads"]
+    return ModelArch(
+        architecture=arch,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        ffn_hidden_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        max_position_embeddings=hf.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=SUPPORTED[arch] == "qwen2" or bool(hf.get("attention_bias", False)),
+        rope_llama3_factor=float(rope["factor"]) if rope_type == "llama3" else None,
+    )
+
+
+def padded_vocab_size(vocab: int, tp: int, multiple: int = 128) -> int:
+    """Megatron splits the vocabulary evenly over TP; pad like Megatron-LM does."""
+    step = multiple * tp
+    return ((vocab + step - 1) // step) * step if vocab % tp else vocab
+
+
+def transformer_engine_available() -> bool:
+    """TE only counts on a CUDA machine; a broken TE install must not break the CPU path."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # ImportError, or an OSError from a missing cuDNN
+        return False
+    return True
+
+
+def transformer_config(arch: ModelArch, tp: int, pp: int, dtype: torch.dtype, on_gpu: bool):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        # weights come from the checkpoint; random init would only cost time
+        perform_initialization=False,
+        use_cpu_initialization=not on_gpu,
+        # the fused kernels and overlaps below exist only on CUDA
+        bias_activation_fusion=on_gpu,
+        bias_dropout_fusion=on_gpu,
+        masked_softmax_fusion=on_gpu,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        # the loss function returns (sum, tokens, ...) with the global normalisation already applied
+        calculate_per_token_loss=True,
+        variable_seq_lengths=False,
+    )
+
+
+def build_gpt_model(arch: ModelArch, dtype: torch.dtype = torch.float32, use_te: bool | None = None):
+    """A GPTModel for this rank's pipeline stage and tensor shard (parallel_state must be set up)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    on_gpu = torch.cuda.is_available()
+    if use_te is None:
+        use_te = transformer_engine_available()
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    config = transformer_config(arch, tp, pp, dtype, on_gpu)
+    spec = (get_gpt_layer_with_transformer_engine_spec() if use_te
+            else get_gpt_layer_local_spec(normalization="RMSNorm"))
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=padded_vocab_size(arch.vocab_size, tp),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(arch.rope_theta),
+        rope_scaling=arch.rope_llama3_factor is not None,
+        rope_scaling_factor=arch.rope_llama3_factor or 8.0,
+        parallel_output=True,
+    )
+    model.hpcrl_spec = "te" if use_te else "local"
+    mark_tensor_parallel_params(model)
+    if on_gpu:
+        model.cuda(torch.cuda.current_device())
+    return model
+
+
+def mark_tensor_parallel_params(model: torch.nn.Module) -> None:
+    """Tag TP-sharded parameters the way megatron's initialisers do (`tensor_model_parallel`,
+    `partition_dim`): with perform_initialization=False the CPU path skips them, and the grad-norm
+    and checkpoint code must tell shards from replicated tensors."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+    def tag(p: torch.nn.Parameter | None, dim: int) -> None:
+        if p is not None and getattr(p, "tensor_model_parallel", None) is None:
+            p.tensor_model_parallel, p.partition_dim, p.partition_stride = True, dim, 1
+
+    for m in model.modules():
+        if isinstance(m, (ColumnParallelLinear, VocabParallelEmbedding)):
+            tag(getattr(m, "weight", None), 0)
+            if isinstance(m, ColumnParallelLinear):
+                tag(getattr(m, "bias", None), 0)
+        elif isinstance(m, RowParallelLinear):
+            tag(getattr(m, "weight", None), 1)  # its bias is added after the all-reduce: replicated

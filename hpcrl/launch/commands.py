@@ -1,0 +1,54 @@
+"""Command lines that start one hpcrl MPI world (the launch routes verified in docs/controller.md).
+
+Why here: the flags matter for failure semantics and are easy to forget: the controller
+must survive a worker's death long enough to name it and abort the job itself. Under Slurm,
+`--mpi=pmi2` is the PMI that Debian's Slurm and pip's MPICH share, and `--het-group=0,1`
+joins the controller component and the worker component into one MPI world.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+
+ENTRY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                     "launchers", "hpcrl_entry.py")
+
+
+def find_mpiexec() -> str:
+    """The mpiexec that belongs to this interpreter's MPI (pip's MPICH puts it beside python)."""
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if os.path.exists(beside):
+        return beside
+    found = shutil.which("mpiexec")
+    if not found:
+        raise FileNotFoundError("no mpiexec beside the interpreter or on PATH")
+    return found
+
+
+def mpiexec_command(num_workers: int, argv: Sequence[str], mpiexec: str | None = None) -> list[str]:
+    """One machine: every rank under its own hydra proxy (rank 0 = controller).
+
+    Why the odd flags (measured with pip's MPICH 5.0.2, see docs/controller.md): a hydra
+    proxy SIGKILLs all of its processes as soon as one of them dies from a signal, whatever
+    `-disable-auto-cleanup` says. With one proxy per rank (`-launcher fork` plus one made-up
+    host name per rank) a killed worker takes only itself down, the others merely get
+    SIGUSR1 (ignored by the runtime), and the controller names the dead rank itself.
+    MPI then sees each rank as its own node; the runtime derives local ranks from host
+    names, so that does not matter.
+    """
+    hosts = ",".join(["hpcrl-controller:1", *(f"hpcrl-worker{i}:1" for i in range(1, num_workers + 1))])
+    return [mpiexec or find_mpiexec(), "-launcher", "fork", "-disable-auto-cleanup", "-hosts", hosts,
+            "-n", str(num_workers + 1), *argv]
+
+
+def srun_het_command(argv: Sequence[str], extra: Sequence[str] = ()) -> list[str]:
+    """Inside a two-component hetjob: one world, component 0 = controller, component 1 = workers."""
+    return ["srun", "--mpi=pmi2", "--het-group=0,1", *extra, *argv]
+
+
+def entry_argv(target: str, program_args: Sequence[str] = (), python: str | None = None) -> list[str]:
+    """`python launchers/hpcrl_entry.py TARGET ARGS...` for the commands above."""
+    return [python or sys.executable, ENTRY, target, *program_args]

@@ -1,0 +1,1 @@
+"""Worker-side roles: the Megatron actor/reference/critic (and the rollout engine as it lands)."""

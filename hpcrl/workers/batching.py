@@ -1,0 +1,65 @@
+"""The wire format between the controller and the Megatron roles, and mini-batch arrangement.
+
+A rollout batch is a `Batch` of right-padded rows:
+  input_ids [B, S] long, attention_mask [B, S] (1 = real token), response_mask [B, S] (1 = a
+  generated token that the losses count). Per-token quantities (log-probs, values, advantages,
+  returns) are token-aligned [B, S]: entry t belongs to token t (its log-prob is log p(ids[t] |
+  ids[<t]); its value is that of the state just before it). Entry 0 has no prediction and is 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hpcrl.algos.losses import token_weights
+from hpcrl.controller.batch import Batch
+
+
+def sequences(batch: Batch) -> list[torch.Tensor]:
+    """The unpadded token sequences of a batch."""
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    ids = batch["input_ids"]
+    return [ids[i, :int(n)] for i, n in enumerate(lengths)]
+
+
+def to_label_aligned(batch: Batch, key: str, seqs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Token-aligned [B, S] -> per sequence [len-1], entry t for the prediction of token t+1."""
+    x = batch[key]
+    return [x[i, 1:s.numel()] for i, s in enumerate(seqs)]
+
+
+def to_token_aligned(values: list[torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
+    """Per sequence [len-1] (label-aligned) -> token-aligned [B, S] with zeros elsewhere."""
+    out = torch.zeros(shape, dtype=values[0].dtype if values else torch.float32)
+    for i, v in enumerate(values):
+        out[i, 1:1 + v.numel()] = v
+    return out
+
+
+def arrange_minibatches(batch: Batch, num_minibatches: int, dp_size: int, loss_agg_mode: str,
+                        mask_key: str = "response_mask") -> Batch:
+    """Reorder a step's batch so that the DP split gives every rank an equal part of every
+    mini-batch, and attach per-token loss weights normalised over each whole mini-batch.
+
+    Mini-batch k is rows [k*M, (k+1)*M) of the input (M = B / num_minibatches). After the
+    reordering, DP shard d (contiguous, as DP dispatch cuts it) holds, in order, part d of
+    mini-batch 0, part d of mini-batch 1, ...; a rank cuts its shard into num_minibatches
+    contiguous chunks. Because the weights are global, the update is the same for any DP size.
+    """
+    b = len(batch)
+    if b % num_minibatches or (b // num_minibatches) % dp_size:
+        raise ValueError(f"{b} samples do not split into {num_minibatches} mini-batches of equal parts "
+                         f"over {dp_size} data-parallel ranks")
+    m = b // num_minibatches
+    part = m // dp_size
+    weights = torch.zeros(batch[mask_key].shape, dtype=torch.float32)
+    mask = batch[mask_key].float()
+    for k in range(num_minibatches):
+        rows = range(k * m, (k + 1) * m)
+        per_seq = token_weights([mask[i] for i in rows], loss_agg_mode)
+        for i, w in zip(rows, per_seq):
+            weights[i] = w
+    order = [k * m + d * part + j for d in range(dp_size) for k in range(num_minibatches) for j in range(part)]
+    out = batch.select(order)
+    out["loss_weight"] = weights[order]
+    return out

@@ -1,0 +1,199 @@
+"""Megatron-core roles as worker-group objects: actor, reference and critic.
+
+The controller writes `lp = actor.compute_logprob(batch)`: the batch is cut into DP shards, every
+TP/PP rank of a shard runs the method, and the output of TP rank 0 on the last pipeline stage of
+each shard comes back, concatenated in DP order (see hpcrl.controller.dispatch).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpcrl.algos.losses import kl_estimate, ppo_policy_loss, value_loss
+from hpcrl.controller import Collect, Dispatch, Worker, register
+from hpcrl.controller.batch import Batch
+from hpcrl.engines.megatron.engine import EngineOptions, MegatronEngine, OptimSettings, init_model_parallel
+from hpcrl.workers.batching import sequences, to_label_aligned, to_token_aligned
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_layout_in_use: tuple[int, int] | None = None
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """auto: bf16 on GPUs, fp32 on CPU (bf16 log-probs drift by up to 0.19 nats there)."""
+    if name == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return DTYPES[name]
+
+
+def _use_layout(tp: int, pp: int, seed: int) -> None:
+    """megatron's parallel_state is process-global: colocated roles must share one layout."""
+    global _layout_in_use
+    if _layout_in_use == (tp, pp):
+        return
+    init_model_parallel(tp, pp, seed=seed)
+    _layout_in_use = (tp, pp)
+
+
+class MegatronRole(Worker):
+    """One rank of a Megatron role. `role` is actor, reference or critic; `cfg` the resolved config
+    (a plain dict, as it travels from the controller)."""
+
+    def __init__(self, cfg: dict[str, Any], role: str = "actor", model_path: str | None = None):
+        self.role = role
+        section = cfg[role]
+        par = (section.get("parallel") or cfg["actor"]["parallel"]) if role == "reference" else section["parallel"]
+        _use_layout(par["tensor_parallel"], par["pipeline_parallel"], seed=cfg["trainer"]["seed"])
+        trains = role in ("actor", "critic")
+        src = section if trains else cfg["actor"]
+        options = EngineOptions(dtype=resolve_dtype(cfg["model"]["dtype"]),
+                                micro_batch_tokens=src["micro_batch_tokens"], packing=src["packing"],
+                                micro_batch_size=src["micro_batch_size"])
+        optim = None
+        if trains:
+            o = section["optim"]
+            n_mini = max(cfg["data"]["train_batch_size"] * cfg["rollout"]["n"] // section["ppo_mini_batch_size"], 1)
+            optim = OptimSettings(lr=o["lr"], min_lr=o["min_lr"], lr_schedule=o["lr_schedule"],
+                                  warmup_steps=o["warmup_steps"], weight_decay=o["weight_decay"],
+                                  betas=(o["adam_beta1"], o["adam_beta2"]), eps=o["adam_eps"],
+                                  clip_grad=o["clip_grad"],
+                                  total_steps=cfg["trainer"]["total_steps"] * n_mini * section["ppo_epochs"])
+        path = model_path or (cfg["critic"].get("model_path") if role == "critic" else None) or cfg["model"]["path"]
+        self.model_path = path
+        self.section = section
+        self.policy_loss = cfg["algorithm"]["policy_loss"]
+        self.engine = MegatronEngine(path, options, value_head=role == "critic", optim=optim)
+
+    def parallel_coords(self) -> tuple[int, int, int]:
+        e = self.engine
+        return (e.dp_rank, e.tp_rank, e.pp_rank)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
+    def describe(self) -> dict[str, Any]:
+        """What this role runs on: layer spec (local or Transformer Engine), device, dtype, backend."""
+        import torch.distributed as dist
+
+        e = self.engine
+        return {"spec": e.spec, "device": str(next(e.model.parameters()).device), "dtype": str(e.options.dtype),
+                "backend": dist.get_backend(), "tp": e.tp_size, "pp": e.pp_size, "dp": e.dp_size}
+
+    def set_packing(self, packing: bool, micro_batch_size: int = 4) -> None:
+        """Switch between packed micro-batches and the padded baseline (benchmarks, tests)."""
+        self.engine.options.packing = packing
+        self.engine.options.micro_batch_size = micro_batch_size
+
+    # forward -----------------------------------------------------------------------------------
+    @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP)
+    def compute_logprob(self, batch: Batch) -> torch.Tensor | None:
+        """Token-aligned log-probs [B, S] of the batch's tokens under this model."""
+        seqs = sequences(batch)
+        lp = self.engine.compute_logprob(seqs)
+        if lp is None or self.engine.tp_rank != 0:
+            return None
+        return to_token_aligned(lp, tuple(batch["input_ids"].shape))
+
+    @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP)
+    def compute_values(self, batch: Batch) -> torch.Tensor | None:
+        """Token-aligned values [B, S] (critic): entry t values the state just before token t."""
+        seqs = sequences(batch)
+        vals = self.engine.compute_values(seqs)
+        if vals is None or self.engine.tp_rank != 0:
+            return None
+        return to_token_aligned(vals, tuple(batch["input_ids"].shape))
+
+    # updates -----------------------------------------------------------------------------------
+    def _minibatch_steps(self, batch: Batch, num_minibatches: int, epochs: int, fields: list[str],
+                         loss_fn: Any, need_entropy: bool = False) -> dict[str, float]:
+        """Optimizer steps over this rank's shard, arranged by `arrange_minibatches`."""
+        seqs_all = sequences(batch)
+        label_fields = {k: to_label_aligned(batch, k, seqs_all) for k in [*fields, "loss_weight"]}
+        chunks = torch.arange(len(batch)).chunk(num_minibatches)
+        history: list[dict[str, float]] = []
+        for _ in range(epochs):
+            for idx in chunks:
+                rows = idx.tolist()
+                history.append(self.engine.train_step(
+                    [seqs_all[i] for i in rows], {k: [v[i] for i in rows] for k, v in label_fields.items()},
+                    loss_fn, need_entropy=need_entropy))
+        out = {k: sum(h[k] for h in history) / len(history) for k in history[0]}
+        out["optimizer_steps"] = float(len(history))
+        return out
+
+    @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.RANK0)
+    def update_actor(self, batch: Batch, num_minibatches: int = 1, epochs: int = 1) -> dict[str, float]:
+        """PPO-family policy update. Fields: old_logprob, advantages, loss_weight (from
+        arrange_minibatches), optional ref_logprob for the KL loss. Returns mini-batch means."""
+        s = self.section
+        use_kl = bool(s["use_kl_loss"])
+        fields = ["old_logprob", "advantages"] + (["ref_logprob"] if use_kl else [])
+        dual_c = s["clip_ratio_c"] if self.policy_loss == "dual_clip" else None
+        entropy_coeff = float(s["entropy_coeff"])
+
+        def loss_fn(lp: torch.Tensor, ent: torch.Tensor | None, f: dict[str, torch.Tensor]):
+            w = f["loss_weight"] * f["label_mask"]
+            pg, clipped = ppo_policy_loss(lp, f["old_logprob"], f["advantages"], s["clip_ratio_low"],
+                                          s["clip_ratio_high"], dual_c)
+            loss = (w * pg).sum()
+            metrics = {"pg_loss": (w * pg).sum(), "pg_clipfrac": (w * clipped.float()).sum(),
+                       "ppo_kl": (w * (f["old_logprob"] - lp)).sum()}
+            if use_kl:
+                kl = kl_estimate(lp, f["ref_logprob"], s["kl_loss_type"])
+                loss = loss + s["kl_loss_coef"] * (w * kl).sum()
+                metrics["kl_loss"] = (w * kl).sum()
+            if ent is not None:
+                loss = loss - entropy_coeff * (w * ent).sum()
+                metrics["entropy"] = (w * ent).sum()
+            return loss, metrics
+
+        return self._minibatch_steps(batch, num_minibatches, epochs, fields, loss_fn,
+                                     need_entropy=entropy_coeff != 0.0)
+
+    @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.RANK0)
+    def update_critic(self, batch: Batch, num_minibatches: int = 1, epochs: int = 1) -> dict[str, float]:
+        """Clipped value loss. Fields: old_values, returns, loss_weight."""
+        clip = float(self.section["cliprange_value"])
+
+        def loss_fn(values: torch.Tensor, ent: Any, f: dict[str, torch.Tensor]):
+            w = f["loss_weight"] * f["label_mask"]
+            vl, clipped = value_loss(values, f["old_values"], f["returns"], clip)
+            return (w * vl).sum(), {"vf_loss": (w * vl).sum(), "vf_clipfrac": (w * clipped.float()).sum()}
+
+        return self._minibatch_steps(batch, num_minibatches, epochs, ["old_values", "returns"], loss_fn)
+
+    # weights -----------------------------------------------------------------------------------
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.NONE)
+    def export_hf(self, out_dir: str) -> None:
+        """Write the model as a HF folder: one safetensors file per pipeline stage (written by that
+        stage's TP rank 0 of DP replica 0) plus the index, config and tokenizer files."""
+        import torch.distributed as dist
+        from safetensors.torch import save_file
+
+        e = self.engine
+        stage = e.export_hf_stage()  # a TP collective: every rank takes part
+        out = Path(out_dir)
+        writer = e.dp_rank == 0 and e.tp_rank == 0
+        name = f"model-{e.pp_rank + 1:05d}-of-{e.pp_size:05d}.safetensors"
+        if writer:
+            out.mkdir(parents=True, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in stage.items()}, str(out / name), metadata={"format": "pt"})
+        names: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(names, sorted(stage) if writer else None)
+        if writer and e.pp_rank == 0:
+            weight_map = {k: f"model-{self._stage_of_rank(r) + 1:05d}-of-{e.pp_size:05d}.safetensors"
+                          for r, keys in enumerate(names) if keys for k in keys}
+            (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map},
+                                                                         indent=1))
+            for f in Path(self.model_path).iterdir():
+                if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+                    shutil.copy2(f, out / f.name)
+        dist.barrier()
+
+    def _stage_of_rank(self, rank: int) -> int:
+        """Pipeline stage of a torch.distributed rank in megatron's order (TP fastest, then DP, then PP)."""
+        e = self.engine
+        return rank // (e.tp_size * e.dp_size)

@@ -1,0 +1,195 @@
+"""Controller program for tests/test_rollout.py: one 1 + 4 rank world, every rollout check.
+
+    mpiexec -disable-auto-cleanup -n 5 python launchers/hpcrl_entry.py tests/programs/rollout_checks.py OUT.json
+
+Actor (Megatron) and rollout (vLLM) share the worker processes. For each scenario: reshard the
+actor's weights into vLLM, compare vLLM's teacher-forced log-probs with the actor's, take an
+optimizer step (the rollout is now stale: the gap must grow), reshard again and compare again.
+On the tiny model also: greedy vLLM generations vs HF greedy generations from the exported
+weights, and sampled generations (n, top-p/top-k, stop strings) with the rollout/actor gap.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = str(REPO / "models" / "tiny-qwen2")
+SMOLLM2 = str(REPO / "models" / "smollm2-135m-instruct")
+
+
+def _sibling(name: str) -> Any:
+    """tests/programs/megatron_checks.py by path (programs are loaded by path, not as a package)."""
+    spec = importlib.util.spec_from_file_location(f"_hpcrl_{name}", Path(__file__).with_name(f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def make_cfg(model: str, tp: int, pp: int, rollout_tp: int, lr: float) -> dict[str, Any]:
+    from omegaconf import OmegaConf
+
+    from hpcrl.config import load_config
+
+    cfg = load_config(REPO / "configs" / "grpo_tiny.yaml", [
+        f"model.path={model}", f"actor.parallel.tensor_parallel={tp}", f"actor.parallel.pipeline_parallel={pp}",
+        "actor.micro_batch_tokens=400", f"actor.optim.lr={lr}", "actor.optim.clip_grad=0.0",
+        "actor.ppo_mini_batch_size=8", f"rollout.tensor_parallel={rollout_tp}", "rollout.weight_bucket_mb=4",
+        "rollout.max_new_tokens=24"])
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def prompt_ids(model: str, n: int) -> list[list[int]]:
+    import pyarrow.parquet as pq
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    rows = pq.read_table(REPO / "data" / "arith" / "train.parquet").slice(0, n).to_pylist()
+    return [tok(tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True))["input_ids"]
+            for r in rows]
+
+
+def masked_max(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    return float(((a.double() - b.double()).abs() * mask).max())
+
+
+def sync_scenario(model: str, tp: int, pp: int, rollout_tp: int, lr: float, n_seqs: int) -> dict[str, Any]:
+    """reshard -> compare -> optimizer step -> (stale gap) -> reshard -> compare."""
+    from hpcrl.controller import WorkerGroup
+    from hpcrl.workers.actor_rollout import ActorRolloutRole, rollout_logprobs
+    from hpcrl.workers.batching import arrange_minibatches
+
+    mc = _sibling("megatron_checks")
+    cfg = make_cfg(model, tp, pp, rollout_tp, lr)
+    group = WorkerGroup(ActorRolloutRole, init_kwargs={"cfg": cfg}, name=f"ar-{Path(model).name}-{rollout_tp}")
+    batch = mc.text_batch(model, n_seqs)
+    mask = batch["attention_mask"].clone()
+    mask[:, 0] = 0
+    out: dict[str, Any] = {"layout": {"tp": tp, "pp": pp, "dp": group.layout.dp_size},
+                           "rollout_coords": group.rollout_coords()}
+    out["reshard_1"] = group.reshard_to_rollout()
+    actor = group.compute_logprob(batch)
+    out["gap_after_reshard_1"] = masked_max(rollout_logprobs(group, batch), actor, mask)
+    g = torch.Generator().manual_seed(0)
+    batch["old_logprob"] = actor
+    batch["advantages"] = torch.randn(batch["input_ids"].shape, generator=g)
+    out["update"] = group.update_actor(arrange_minibatches(batch, 1, group.layout.dp_size, "token-mean"))
+    actor2 = group.compute_logprob(batch)
+    out["actor_change"] = masked_max(actor2, actor, mask)
+    out["gap_stale"] = masked_max(rollout_logprobs(group, batch), actor2, mask)
+    out["reshard_2"] = group.reshard_to_rollout()
+    out["gap_after_reshard_2"] = masked_max(rollout_logprobs(group, batch), actor2, mask)
+    return {"group": group, "result": out, "batch": batch}
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new,
+                              eos_token_id=hf.generation_config.eos_token_id,
+                              pad_token_id=hf.generation_config.pad_token_id)
+            outs.append(gen[0, len(p):].tolist())
+    return outs
+
+
+def main() -> None:
+    from hpcrl.engines.vllm import SamplingSettings
+    from hpcrl.workers.actor_rollout import generate, logprob_gap
+
+    out_path = sys.argv[1]
+    res: dict[str, Any] = {"timings": {}}
+    tmp = Path(tempfile.mkdtemp(prefix="hpcrl-rollout-"))
+    t_all = time.time()
+
+    def timed(name: str, t0: float) -> None:
+        res["timings"][name] = round(time.time() - t0, 1)
+        print(f"[rollout_checks] {name}: {res['timings'][name]} s", flush=True)
+
+    # 1. tiny: Megatron TP=2 PP=2 -> rollout TP=1 (4 vLLM replicas)
+    t0 = time.time()
+    s = sync_scenario(TINY, 2, 2, 1, lr=1e-3, n_seqs=8)
+    group = s["group"]
+    res["tiny_tp1"] = s["result"]
+    timed("tiny 2x2 -> rollout tp1", t0)
+
+    # greedy: vLLM (temperature 0) vs HF generate(do_sample=False) on the same (updated) weights
+    t0 = time.time()
+    prompts = prompt_ids(TINY, 16)
+    greedy = generate(group, prompts, SamplingSettings(n=1, temperature=0.0, max_new_tokens=24))
+    group.export_hf(str(tmp / "tiny-updated"))
+    hf = hf_greedy(str(tmp / "tiny-updated"), prompts, 24)
+    vl = [greedy["input_ids"][i, len(p):int(greedy["attention_mask"][i].sum())].tolist()
+          for i, p in enumerate(prompts)]
+    res["greedy"] = {"prompts": len(prompts), "equal": sum(a == b for a, b in zip(vl, hf, strict=True)),
+                     "prompt_order": greedy["prompt_index"].tolist() == list(range(16)),
+                     "lengths": [len(x) for x in vl]}
+    timed("greedy vs hf", t0)
+
+    # sampling: n=3, temperature/top-p/top-k, stop strings; rollout vs actor log-prob gap
+    t0 = time.time()
+    sampling = SamplingSettings(n=3, temperature=1.0, top_p=0.9, top_k=50, max_new_tokens=16, seed=7)
+    sampled = generate(group, prompts[:6], sampling)
+    actor_lp = group.compute_logprob(sampled)
+    again = generate(group, prompts[:6], sampling)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(TINY)
+    texts = [tok.decode(sampled["input_ids"][i, len(prompts[i // 3]):int(sampled["attention_mask"][i].sum())])
+             for i in range(len(sampled))]
+    stop = max((t[1:3] for t in texts if len(t) >= 4), key=lambda x: sum(x in t for t in texts))
+    stopped = generate(group, prompts[:6], SamplingSettings(n=3, temperature=1.0, top_p=0.9, top_k=50,
+                                                            max_new_tokens=16, seed=7, stop=[stop]))
+    stopped_texts = [tok.decode(stopped["input_ids"][i, len(prompts[i // 3]):int(stopped["attention_mask"][i].sum())])
+                     for i in range(len(stopped))]
+    res["sampling"] = {
+        "rows": len(sampled), "prompt_index": sampled["prompt_index"].tolist(),
+        "prompt_prefix_ok": all(sampled["input_ids"][i, :len(prompts[i // 3])].tolist() == prompts[i // 3]
+                                for i in range(len(sampled))),
+        "max_response_len": int(sampled["response_mask"].sum(-1).max()),
+        "distinct_completions": len({tuple(sampled["input_ids"][i].tolist()) for i in range(len(sampled))}),
+        "reproducible": torch.equal(sampled["input_ids"], again["input_ids"]),
+        "gap": logprob_gap(sampled["rollout_logprob"], actor_lp, sampled["response_mask"], step=0),
+        "stop": stop, "stop_hits_before": sum(stop in t for t in texts),
+        "stop_in_output_after": sum(stop in t for t in stopped_texts),
+        "stopped_finish_shorter": int(stopped["response_mask"].sum()) < int(sampled["response_mask"].sum()),
+    }
+    group.close_rollout()
+    timed("sampling", t0)
+
+    # 2. tiny: Megatron TP=2 PP=2 -> rollout TP=2 (2 vLLM replicas of 2 ranks)
+    t0 = time.time()
+    s = sync_scenario(TINY, 2, 2, 2, lr=1e-3, n_seqs=8)
+    res["tiny_tp2"] = s["result"]
+    tp2 = generate(s["group"], prompts, SamplingSettings(n=1, temperature=0.0, max_new_tokens=24))
+    res["tiny_tp2"]["greedy_equal_hf_after_export"] = None
+    s["group"].export_hf(str(tmp / "tiny-tp2"))
+    hf2 = hf_greedy(str(tmp / "tiny-tp2"), prompts, 24)
+    vl2 = [tp2["input_ids"][i, len(p):int(tp2["attention_mask"][i].sum())].tolist() for i, p in enumerate(prompts)]
+    res["tiny_tp2"]["greedy_equal_hf_after_export"] = sum(a == b for a, b in zip(vl2, hf2, strict=True))
+    s["group"].close_rollout()
+    timed("tiny 2x2 -> rollout tp2", t0)
+
+    # 3. SmolLM2-135M (3 KV heads: Megatron TP 1 on 4 workers): TP=1 PP=2 DP=2 -> rollout TP=1
+    t0 = time.time()
+    s = sync_scenario(SMOLLM2, 1, 2, 1, lr=1e-4, n_seqs=4)
+    res["smollm2_tp1"] = s["result"]
+    s["group"].close_rollout()
+    timed("smollm2 1x2 -> rollout tp1", t0)
+
+    res["timings"]["total"] = round(time.time() - t_all, 1)
+    Path(out_path).write_text(json.dumps(res, indent=1, default=str))
+    shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,292 @@
+"""Single-controller runtime, tested in real MPI worlds of 1 controller + 4 workers.
+
+One world (tests/programs/ctrl_scenarios.py) runs every dispatch/collect scenario and
+writes what it saw to JSON; each test below asserts on its part. The failure tests start
+their own short worlds (tests/programs/ctrl_kill.py) with a 4 s heartbeat bound. The Slurm
+test submits a two-component hetjob and starts the same kind of world with srun.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hpcrl.controller import Batch, Collect, Dispatch, ParallelLayout, Worker, register
+from hpcrl.controller.dispatch import dp_split, merge, method_mode
+from hpcrl.launch import entry_argv, mpiexec_command, srun_het_command
+
+REPO = Path(__file__).resolve().parents[1]
+PROGRAMS = REPO / "tests" / "programs"
+HOST = socket.gethostname()
+BOUND_S = 4.0  # heartbeat timeout used by the failure worlds
+SLACK_S = 3.0
+
+
+def _run_world(tmp: Path, program: str, args: list[str], env: dict[str, str], timeout: float
+               ) -> subprocess.CompletedProcess:
+    """Run one 1 + 4 rank world with the default single-machine launch route; never hangs."""
+    cmd = mpiexec_command(4, entry_argv(str(PROGRAMS / program), args))
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the world we started, and only it
+        out, err = proc.communicate()
+        pytest.fail(f"world did not finish in {timeout} s:\n{err[-3000:]}")
+    (tmp / "stdout.txt").write_text(out)
+    (tmp / "stderr.txt").write_text(err)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _alive(pid: int) -> bool:
+    """True if `pid` is a live (non-zombie) process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def _processes_with(token: str) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if token.encode() in f.read() and _alive(int(entry)):
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+def _assert_all_gone(pids: list[int], token: str, grace_s: float = 5.0) -> None:
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and (any(_alive(p) for p in pids) or _processes_with(token)):
+        time.sleep(0.1)
+    assert not [p for p in pids if _alive(p)], "ranks left behind"
+    assert not _processes_with(token), "processes of this world left behind"
+
+
+@pytest.fixture(scope="module")
+def scenarios(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("ctrl_world")
+    out = tmp / "scenarios.json"
+    t0 = time.monotonic()
+    res = _run_world(tmp, "ctrl_scenarios.py", [str(out)],
+                     {"HPCRL_HEARTBEAT_TIMEOUT": "3", "HPCRL_HEARTBEAT_INTERVAL": "0.5"}, timeout=180)
+    assert res.returncode == 0, res.stderr[-4000:]
+    data = json.loads(out.read_text())
+    data["_wall_s"] = time.monotonic() - t0
+    data["_token"] = str(out)
+    return data
+
+
+# ---------------------------------------------------------------- in-process units (no MPI)
+def test_batch_split_concat_reorder() -> None:
+    b = Batch({"x": torch.arange(10), "m": torch.ones(10, 3)}, {"s": [str(i) for i in range(10)]}, {"k": 1})
+    parts = b.chunk(4)
+    assert [len(p) for p in parts] == [3, 3, 2, 2]
+    back = Batch.concat(parts)
+    assert torch.equal(back["x"], b["x"]) and back["s"] == b["s"] and back.meta == {"k": 1}
+    assert back["x"] is not b["x"]  # a concat of user views copies, never aliases
+    perm = torch.randperm(10)
+    shuffled = b.select(perm)
+    assert shuffled["s"] == [str(i) for i in perm.tolist()]
+    restored = shuffled.reorder(torch.argsort(perm))
+    assert torch.equal(restored["m"], b["m"]) and restored["s"] == b["s"]
+    assert [len(p) for p in b.split([1, 9])] == [1, 9]
+    with pytest.raises(ValueError):
+        Batch({"x": torch.zeros(3)}, {"s": ["a"]})
+
+
+def test_layout_and_dispatch_helpers() -> None:
+    lay = ParallelLayout.megatron(tp=2, pp=2, dp=2)
+    assert lay.coords[:4] == ((0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0))  # TP fastest, then DP, then PP
+    assert lay.output_ranks() == [4, 6]  # TP rank 0 of the last stage, in DP order
+    shards = dp_split((Batch({"x": torch.arange(5)}), 7), {"t": torch.arange(5)}, 2)
+    assert [s[0][0]["x"].tolist() for s in shards] == [[0, 1, 2], [3, 4]]
+    assert [s[0][1] for s in shards] == [7, 7] and shards[1][1]["t"].tolist() == [3, 4]
+    assert merge([(torch.ones(1), "a"), (torch.zeros(1), "b")])[1] == ["a", "b"]
+
+    class W(Worker):
+        @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP)
+        def f(self) -> None:
+            return None
+
+        def g(self) -> None:
+            return None
+
+    assert method_mode(W, "f").dispatch is Dispatch.DP_SPLIT
+    assert method_mode(W, "g").collect is Collect.ALL
+    assert W().group_rank == 0  # constructible outside the runtime
+
+
+# ---------------------------------------------------------------- one world, every scenario
+def test_world_and_torch_distributed(scenarios: dict[str, Any]) -> None:
+    who = scenarios["whoami"]
+    assert [w["mpi_rank"] for w in who] == [1, 2, 3, 4]
+    assert [w["worker_rank"] for w in who] == [0, 1, 2, 3]
+    assert [w["local_rank"] for w in who] == [0, 1, 2, 3]
+    assert all(w["host"] == HOST for w in who)
+    for i, g in enumerate(scenarios["gloo"]):
+        assert g["sum"] == 6.0 and g["backend"] == "gloo"
+        assert g["env"]["RANK"] == str(i) and g["env"]["WORLD_SIZE"] == "4" and g["env"]["LOCAL_RANK"] == str(i)
+        assert g["env"]["MASTER_ADDR"] and g["env"]["MASTER_PORT"] == scenarios["gloo"][0]["env"]["MASTER_PORT"]
+
+
+def test_one_to_all_per_rank_rank0(scenarios: dict[str, Any]) -> None:
+    assert scenarios["one_to_all"] == [[r, [0.0, 3.0, 6.0, 9.0], "hi"] for r in range(4)]
+    assert scenarios["per_rank"] == [[0, 10, "a"], [1, 11, "b"], [2, 12, "c"], [3, 13, "d"]]
+    assert scenarios["rank0"] == 0
+    assert scenarios["store_returns"] is None  # Collect.NONE
+
+
+def test_dp_split_collect_in_order(scenarios: dict[str, Any]) -> None:
+    d = scenarios["dp_split"]
+    assert d["x"] == [float(i) for i in range(10)]
+    assert d["group_rank"] == [0, 0, 0, 1, 1, 1, 2, 2, 3, 3]  # even split, DP order kept
+    assert d["doubled"] == [2.0 * i for i in range(10)]
+    assert d["who"] == [f"{r}:s{i}" for i, r in enumerate(d["group_rank"])]
+    assert scenarios["dp_split_meta"] == {"temp": 0.7}
+
+
+def test_dp_with_tp_and_pp_layouts(scenarios: dict[str, Any]) -> None:
+    # TP=2 x DP=2 (megatron order): shard d goes to ranks (2d, 2d+1); results come from TP rank 0.
+    tp = scenarios["tp2dp2"]
+    assert tp["x"] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert tp["group_rank"] == [0, 0, 0, 2, 2, 2] and tp["dp_rank"] == [0, 0, 0, 1, 1, 1]
+    # PP=2 x DP=2: results come from the last stage (group ranks 2 and 3).
+    pp = scenarios["pp2dp2"]
+    assert pp["group_rank"] == [2, 2, 2, 3, 3, 3] and pp["dp_rank"] == [0, 0, 0, 1, 1, 1]
+    # Coordinates reported by the workers themselves, in a non-megatron order.
+    assert scenarios["reported_layout"] == [[1, 1, 0], [1, 0, 0], [0, 1, 0], [0, 0, 0]]
+    assert scenarios["reported_rows"] == [[0.0, 3.0], [1.0, 3.0], [2.0, 1.0], [3.0, 1.0]]
+
+
+def test_64mb_roundtrip_bit_identical(scenarios: dict[str, Any]) -> None:
+    assert scenarios["big_bytes"] == 64 * 2**20
+    assert scenarios["big_back_digest"] == scenarios["big_digest"]
+    assert scenarios["big_back_dtype"] == "torch.int32"
+    assert scenarios["shard_digests"] == scenarios["expected_shard_digests"]  # each worker got its slice
+    assert scenarios["fetch_digest"] == scenarios["big_digest"]
+
+
+def test_colocated_groups_share_processes(scenarios: dict[str, Any]) -> None:
+    assert [w["tag"] for w in scenarios["colocated"]] == ["b"] * 4
+    assert [w["pid"] for w in scenarios["colocated"]] == [w["pid"] for w in scenarios["whoami"]]
+    assert {w["group"] for w in scenarios["colocated"]} == {"critic"}
+
+
+def test_futures_overlap_and_timeout(scenarios: dict[str, Any]) -> None:
+    assert scenarios["future_done_early"] is False
+    assert 1.0 <= scenarios["overlap_elapsed_s"] < 1.8  # two 1 s calls on disjoint ranks ran together
+    assert "not done after 0.05 s" in scenarios["timeout"]
+    assert scenarios["after_timeout"] == 0
+
+
+def test_remote_exception_carries_traceback(scenarios: dict[str, Any]) -> None:
+    err = scenarios["remote_error"]
+    assert err is not None
+    assert "fail_deliberately" in err["traceback"] and "ValueError: kaboom" in err["traceback"]
+    assert f"host {HOST}" in err["message"] and f"rank {err['rank']}" in err["message"]
+    assert "ctrl_scenarios.py" in err["message"]  # the remote traceback is in the message itself
+    assert err["host"] == HOST and err["rank"] in (1, 2, 3, 4)
+    assert scenarios["after_error"] == 0  # the workers keep serving
+    assert "broken.__init__" in scenarios["init_error"] and "constructor refused" in scenarios["init_error"]
+
+
+def test_long_computation_is_not_a_death(scenarios: dict[str, Any]) -> None:
+    assert scenarios["long_spin_s"] > scenarios["heartbeat_timeout_s"] + 1
+    assert len(scenarios["long_spin_iters"]) == 4
+
+
+def test_clean_shutdown_leaves_nothing(scenarios: dict[str, Any]) -> None:
+    pids = [scenarios["controller_pid"], *(w["pid"] for w in scenarios["whoami"])]
+    _assert_all_gone(pids, scenarios["_token"])
+
+
+# ---------------------------------------------------------------- failures
+def test_sigkill_worker_fails_controller_within_bound(tmp_path: Path) -> None:
+    out = tmp_path / "kill_worker.json"
+    res = _run_world(tmp_path, "ctrl_kill.py", [str(out), "worker"],
+                     {"HPCRL_HEARTBEAT_TIMEOUT": str(BOUND_S), "HPCRL_HEARTBEAT_INTERVAL": "0.5"}, timeout=120)
+    data = json.loads(out.read_text())
+    assert res.returncode != 0
+    assert data["error_rank"] == 2, res.stderr[-3000:]
+    victim = next(w for w in data["workers"] if w["mpi_rank"] == 2)
+    assert f"rank 2 (host {HOST}" in data["error"] and f"pid {victim['pid']}" in data["error"]
+    assert data["error_at"] - data["killed_at"] < BOUND_S + SLACK_S
+    assert "worker rank 2" in res.stderr and "is lost" in res.stderr
+    _assert_all_gone([data["controller_pid"], *(w["pid"] for w in data["workers"])], str(out))
+
+
+def test_sigkill_controller_makes_workers_exit(tmp_path: Path) -> None:
+    out = tmp_path / "kill_controller.json"
+    t0 = time.time()
+    res = _run_world(tmp_path, "ctrl_kill.py", [str(out), "controller"],
+                     {"HPCRL_HEARTBEAT_TIMEOUT": str(BOUND_S), "HPCRL_HEARTBEAT_INTERVAL": "0.5"}, timeout=120)
+    data = json.loads(out.read_text())
+    assert res.returncode != 0
+    assert time.time() - data["killed_at"] < BOUND_S + SLACK_S + 5, f"took {time.time() - t0:.1f} s"
+    # The workers end either through their heartbeat check ("controller ... silent") or because
+    # the launcher tears the job down once the controller's process is gone; both are fine.
+    _assert_all_gone([w["pid"] for w in data["workers"]], str(out))
+
+
+# ---------------------------------------------------------------- Slurm hetjob route
+# conftest.py gates `slurm` tests: skipped without a cluster, failed without one when CI=true
+@pytest.mark.slurm
+@pytest.mark.usefixtures("slurm_cluster")
+def test_slurm_hetjob_one_world(tmp_path: Path) -> None:
+    out = tmp_path / "slurm.json"
+    log = tmp_path / "slurm-%j.out"
+    srun = " ".join(srun_het_command(entry_argv(str(PROGRAMS / "ctrl_slurm.py"), [str(out)])))
+    script = tmp_path / "job.sbatch"
+    script.write_text(
+        "#!/bin/bash\n"
+        f"#SBATCH --job-name=hpcrl-ctrl-test\n#SBATCH --output={log}\n#SBATCH --time=5\n"
+        "#SBATCH --nodes=1 --ntasks=1 --mem=500M\n"
+        "#SBATCH hetjob\n"
+        "#SBATCH --nodes=2 --ntasks-per-node=2 --mem=500M\n"
+        f"cd {REPO}\n{srun}\n"
+    )
+    job = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=30,
+                         check=True).stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline:
+            q = subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True, timeout=30)
+            if not q.stdout.strip():
+                break
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"hetjob {job} did not finish in time")
+    finally:
+        subprocess.run(["scancel", job], capture_output=True, timeout=30)  # no-op when already done
+    logs = "\n".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
+    assert out.exists(), logs[-3000:]
+    data = json.loads(out.read_text())
+    ctrl, workers = data["controller"], data["workers"]
+    assert ctrl["mpi_size"] == 5 and all(w["mpi_size"] == 5 for w in workers)  # ONE world
+    assert ctrl["slurm"]["SLURM_HET_SIZE"] == "2"
+    worker_nodes = {w["node"] for w in workers}
+    assert len(worker_nodes) == 2 and ctrl["slurm"]["SLURMD_NODENAME"] not in worker_nodes
+    assert [w["mpi_rank"] for w in workers] == [1, 2, 3, 4]
+    assert all(w["gloo_world"] == 4.0 for w in workers)
+    assert data["y"] == [0, 1, 1002, 1003, 2004, 2005, 3006, 3007]
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
