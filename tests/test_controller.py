@@ -24,6 +24,7 @@ import torch
 from hpcrl.controller import Batch, Collect, Dispatch, ParallelLayout, Worker, register
 from hpcrl.controller.dispatch import dp_split, merge, method_mode
 from hpcrl.launch import entry_argv, mpiexec_command, srun_het_command
+from hpcrl.launch.exit_order import hydra_announces_exits, plan_exit
 
 REPO = Path(__file__).resolve().parents[1]
 PROGRAMS = REPO / "tests" / "programs"
@@ -90,6 +91,7 @@ def scenarios(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     data = json.loads(out.read_text())
     data["_wall_s"] = time.monotonic() - t0
     data["_token"] = str(out)
+    data["_output"] = res.stdout + res.stderr
     return data
 
 
@@ -215,6 +217,23 @@ def test_long_computation_is_not_a_death(scenarios: dict[str, Any]) -> None:
 def test_clean_shutdown_leaves_nothing(scenarios: dict[str, Any]) -> None:
     pids = [scenarios["controller_pid"], *(w["pid"] for w in scenarios["whoami"])]
     _assert_all_gone(pids, scenarios["_token"])
+
+
+def test_clean_shutdown_is_quiet(scenarios: dict[str, Any]) -> None:
+    # mpiexec exited 0 (asserted by the fixture); no heartbeat was left unreceived at MPI_Finalize
+    # (UCX warns about each one) and every rank's exit turn was confirmed by hydra's notices.
+    assert "was not matched" not in scenarios["_output"]
+    assert "exit turn not confirmed" not in scenarios["_output"]
+
+
+def test_exit_order_plan() -> None:
+    hosts, proxies = ["h"] * 4, [100, 101, 102, 103]
+    # workers leave by rank, the controller last; each waits for the proxy of the rank before it
+    assert [plan_exit(r, hosts, proxies, [True] * 4) for r in range(4)] == [(3, 103), (0, None), (1, 101), (2, 102)]
+    assert plan_exit(1, hosts, proxies, [True, True, False, True]) is None  # hydra does not announce exits
+    assert plan_exit(1, ["h", "h", "g", "h"], proxies, [True] * 4) is None  # proxies on other hosts
+    assert plan_exit(1, hosts, [100, 100, 102, 103], [True] * 4) is None  # several ranks per proxy
+    assert not hydra_announces_exits()  # pytest is not started by hydra
 
 
 # ---------------------------------------------------------------- failures

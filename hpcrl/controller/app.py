@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from mpi4py import MPI
 
 from hpcrl.controller.codec import Encoded
@@ -26,7 +27,8 @@ from hpcrl.controller.liveness import Liveness
 from hpcrl.controller.runtime import ControllerRuntime, set_runtime
 from hpcrl.controller.serve import serve_forever
 from hpcrl.controller.transport import Backoff, tighten_timer_slack
-from hpcrl.launch.world import World, abort, init_world
+from hpcrl.launch.exit_order import ExitTurn, hydra_announces_exits, plan_exit
+from hpcrl.launch.world import CONTROLLER_RANK, World, abort, init_world
 
 
 def _env_float(name: str, default: float) -> float:
@@ -99,25 +101,49 @@ def _survive_failure_notices() -> None:
 
 
 def _finish(world: World, liveness: Liveness, timeout_s: float) -> None:
-    """All ranks meet once more before MPI_Finalize (bounded: a rank lost now must not hang us)."""
+    """All ranks meet once more before MPI_Finalize (bounded: a rank lost now must not hang us), then
+    leave in the order hydra needs (see `hpcrl.launch.exit_order`).
+
+    The meeting also exchanges each rank's parent pid (its hydra proxy, if any) and whether hydra
+    announces exits, so every rank reaches the same decision about the exit order, and how many
+    heartbeats each rank sent to each other, so that none is left unreceived at MPI_Finalize.
+    """
     liveness.stop()
-    req = world.comm.Ibarrier()
+    announced = hydra_announces_exits()
+    turn = ExitTurn(0, None, max(timeout_s, 10.0), world.describe(world.rank))
+    if announced:
+        turn.arm()  # before the meeting: no rank can exit before every rank has passed it
+    mine = np.array([os.getppid(), int(announced)], dtype=np.int64)
+    everyone = np.zeros((world.size, 2), dtype=np.int64)
+    sent_to_me = np.zeros(world.size, dtype=np.int64)
+    reqs = [world.comm.Iallgather(mine, everyone), world.comm.Ialltoall(liveness.sent, sent_to_me)]
     deadline = time.monotonic() + timeout_s
     backoff = Backoff(max_sleep_s=0.01)
-    while not req.Test():
+    while not MPI.Request.Testall(reqs):
         if time.monotonic() > deadline:
             print(f"[hpcrl] {world.describe(world.rank)}: peers did not reach the final barrier in "
                   f"{timeout_s:g} s; aborting", file=sys.stderr, flush=True)
             abort(3)
         backoff.pause()
+    if not liveness.drain(sent_to_me, time.monotonic() + timeout_s):
+        print(f"[hpcrl] {world.describe(world.rank)}: some heartbeats still in flight at shutdown",
+              file=sys.stderr, flush=True)
+    plan = plan_exit(world.rank, [p.host for p in world.processes], everyone[:, 0].tolist(),
+                     [bool(a) for a in everyone[:, 1]], CONTROLLER_RANK)
+    if plan is None:
+        turn.disarm()
+    else:
+        turn.position, turn.predecessor_proxy = plan
     for comm in (world.control, world.beats):
         comm.Free()
     if world.workers is not None:
         world.workers.Free()
     # hydra (-disable-auto-cleanup) treats every rank that finalizes and exits as "terminated" and
-    # SIGUSR1s the others; a rank already tearing down its interpreter must not die of that.
+    # SIGUSR1s the others; a rank already tearing down its interpreter must not die of that (an armed
+    # exit turn counts these notices and restores this afterwards).
     _survive_failure_notices()
     MPI.Finalize()
+    turn.wait()
 
 
 def _worker_lost_controller(world: World, timeout_s: float) -> Callable[[int, float], None]:

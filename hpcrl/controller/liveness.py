@@ -51,6 +51,9 @@ class Liveness:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hpcrl-liveness", daemon=True)
         self.lost: tuple[int, float] | None = None  # (rank, seconds silent) of the first loss
+        # beats sent to / received from each rank; read only after `stop()` (see `drain`)
+        self.sent = np.zeros(world.size, dtype=np.int64)
+        self.received = np.zeros(world.size, dtype=np.int64)
 
     def start(self) -> None:
         self._thread.start()
@@ -80,12 +83,15 @@ class Liveness:
                 peers = list(self._last)
             try:
                 if now >= next_beat:
-                    pending.extend(comm.Isend([beat, MPI.BYTE], p, TAG_BEAT) for p in peers)
+                    for p in peers:
+                        pending.append(comm.Isend([beat, MPI.BYTE], p, TAG_BEAT))
+                        self.sent[p] += 1
                     next_beat = now + self.interval_s
                 pending = [r for r in pending if not r.Test()]
                 while comm.Iprobe(MPI.ANY_SOURCE, TAG_BEAT, status):
                     src = status.Get_source()
                     comm.Recv([sink, MPI.BYTE], src, TAG_BEAT)
+                    self.received[src] += 1
                     with self._lock:
                         if src in self._last:
                             self._last[src] = time.monotonic()
@@ -103,6 +109,32 @@ class Liveness:
                     self.lost = (p, s)
                 self._on_lost(p, s)
             self._stop.wait(tick)
-        for r in pending:  # a beat to a peer that already finished may never be matched
+        for r in pending:  # the peer receives these in `drain`; nobody needs to wait for them here
             if not r.Test():
                 r.Free()
+
+    def drain(self, sent_to_me: np.ndarray, deadline: float) -> bool:
+        """After `stop()` on every rank: receive the beats still addressed to this rank.
+
+        `sent_to_me[r]` is how many beats rank r sent here (its `sent[me]`). Why: a beat that
+        arrives after the receiving thread stopped would stay unmatched, and at MPI_Finalize UCX
+        prints "unexpected tag-receive descriptor ... was not matched" for each one. False if
+        some did not arrive by `deadline` (their receives are cancelled, never left posted).
+        """
+        comm = self.world.beats
+        missing = np.maximum(sent_to_me - self.received, 0)
+        sinks = np.zeros(int(missing.sum()), dtype=np.uint8)
+        reqs: list[MPI.Request] = []
+        for src, n in enumerate(missing.tolist()):
+            for _ in range(n):
+                reqs.append(comm.Irecv([sinks[len(reqs):len(reqs) + 1], MPI.BYTE], src, TAG_BEAT))
+        while not MPI.Request.Testall(reqs):
+            if time.monotonic() > deadline:
+                for r in reqs:
+                    if not r.Test():
+                        r.Cancel()
+                        r.Wait()
+                return False
+            time.sleep(0.001)
+        self.received += missing
+        return True

@@ -62,12 +62,14 @@ def masked_max(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
     return float(((a.double() - b.double()).abs() * mask).max())
 
 
-def sync_scenario(model: str, tp: int, pp: int, rollout_tp: int, lr: float, n_seqs: int) -> dict[str, Any]:
+def sync_scenario(model: str, tp: int, pp: int, rollout_tp: int, lr: float, n_seqs: int,
+                  bucket_mb: float) -> dict[str, Any]:
     """reshard -> compare -> optimizer step -> (stale gap) -> reshard -> compare."""
     from hpcrl.controller import WorkerGroup
     from hpcrl.workers.actor_rollout import ActorRolloutRole, rollout_logprobs
     from hpcrl.workers.batching import arrange_minibatches
 
+    t = time.time()
     mc = _sibling("megatron_checks")
     cfg = make_cfg(model, tp, pp, rollout_tp, lr)
     group = WorkerGroup(ActorRolloutRole, init_kwargs={"cfg": cfg}, name=f"ar-{Path(model).name}-{rollout_tp}")
@@ -75,19 +77,31 @@ def sync_scenario(model: str, tp: int, pp: int, rollout_tp: int, lr: float, n_se
     mask = batch["attention_mask"].clone()
     mask[:, 0] = 0
     out: dict[str, Any] = {"layout": {"tp": tp, "pp": pp, "dp": group.layout.dp_size},
-                           "rollout_coords": group.rollout_coords()}
-    out["reshard_1"] = group.reshard_to_rollout()
+                           "rollout_coords": group.rollout_coords(), "seconds": {}}
+
+    def lap(name: str) -> None:
+        nonlocal t
+        out["seconds"][name] = round(time.time() - t, 2)
+        t = time.time()
+
+    lap("build")
+    out["reshard_1"] = group.reshard_to_rollout(bucket_mb)
+    lap("reshard_1")
     actor = group.compute_logprob(batch)
+    lap("actor_logprob")
     out["gap_after_reshard_1"] = masked_max(rollout_logprobs(group, batch), actor, mask)
+    lap("rollout_logprob")
     g = torch.Generator().manual_seed(0)
     batch["old_logprob"] = actor
     batch["advantages"] = torch.randn(batch["input_ids"].shape, generator=g)
     out["update"] = group.update_actor(arrange_minibatches(batch, 1, group.layout.dp_size, "token-mean"))
+    lap("update")
     actor2 = group.compute_logprob(batch)
     out["actor_change"] = masked_max(actor2, actor, mask)
     out["gap_stale"] = masked_max(rollout_logprobs(group, batch), actor2, mask)
-    out["reshard_2"] = group.reshard_to_rollout()
+    out["reshard_2"] = group.reshard_to_rollout(bucket_mb)
     out["gap_after_reshard_2"] = masked_max(rollout_logprobs(group, batch), actor2, mask)
+    lap("rest")
     return {"group": group, "result": out, "batch": batch}
 
 
@@ -121,7 +135,7 @@ def main() -> None:
 
     # 1. tiny: Megatron TP=2 PP=2 -> rollout TP=1 (4 vLLM replicas)
     t0 = time.time()
-    s = sync_scenario(TINY, 2, 2, 1, lr=1e-3, n_seqs=8)
+    s = sync_scenario(TINY, 2, 2, 1, lr=1e-3, n_seqs=8, bucket_mb=0.25)
     group = s["group"]
     res["tiny_tp1"] = s["result"]
     timed("tiny 2x2 -> rollout tp1", t0)
@@ -148,13 +162,22 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(TINY)
-    texts = [tok.decode(sampled["input_ids"][i, len(prompts[i // 3]):int(sampled["attention_mask"][i].sum())])
-             for i in range(len(sampled))]
-    stop = max((t[1:3] for t in texts if len(t) >= 4), key=lambda x: sum(x in t for t in texts))
+    def completion(b: Any, i: int) -> list[int]:
+        return b["input_ids"][i, len(prompts[i // 3]):int(b["attention_mask"][i].sum())].tolist()
+
+    texts = [tok.decode(completion(sampled, i)) for i in range(len(sampled))]
+    # a printable ASCII character that the unstopped samples produce often
+    counts = {c: sum(c in t for t in texts) for c in {c for t in texts for c in t if c.isascii() and c.isalnum()}}
+    stop = max(sorted(counts), key=counts.get)
     stopped = generate(group, prompts[:6], SamplingSettings(n=3, temperature=1.0, top_p=0.9, top_k=50,
                                                             max_new_tokens=16, seed=7, stop=[stop]))
-    stopped_texts = [tok.decode(stopped["input_ids"][i, len(prompts[i // 3]):int(stopped["attention_mask"][i].sum())])
-                     for i in range(len(stopped))]
+    ended_at_stop = unchanged = 0
+    for i in range(len(stopped)):
+        ids = completion(stopped, i)
+        if stop in tok.decode(ids) and stop not in tok.decode(ids[:-1]):
+            ended_at_stop += 1  # the completion ends with the token that completed the stop string
+        elif stop not in tok.decode(ids) and ids == completion(sampled, i):
+            unchanged += 1  # never met the stop string: the same (seeded) sample as without it
     res["sampling"] = {
         "rows": len(sampled), "prompt_index": sampled["prompt_index"].tolist(),
         "prompt_prefix_ok": all(sampled["input_ids"][i, :len(prompts[i // 3])].tolist() == prompts[i // 3]
@@ -163,19 +186,18 @@ def main() -> None:
         "distinct_completions": len({tuple(sampled["input_ids"][i].tolist()) for i in range(len(sampled))}),
         "reproducible": torch.equal(sampled["input_ids"], again["input_ids"]),
         "gap": logprob_gap(sampled["rollout_logprob"], actor_lp, sampled["response_mask"], step=0),
-        "stop": stop, "stop_hits_before": sum(stop in t for t in texts),
-        "stop_in_output_after": sum(stop in t for t in stopped_texts),
-        "stopped_finish_shorter": int(stopped["response_mask"].sum()) < int(sampled["response_mask"].sum()),
+        "stop": stop, "stop_hits_before": sum(stop in t for t in texts), "ended_at_stop": ended_at_stop,
+        "unchanged_without_stop": unchanged, "rows_stopped_run": len(stopped),
+        "stopped_shorter": int(stopped["response_mask"].sum()) < int(sampled["response_mask"].sum()),
     }
     group.close_rollout()
     timed("sampling", t0)
 
     # 2. tiny: Megatron TP=2 PP=2 -> rollout TP=2 (2 vLLM replicas of 2 ranks)
     t0 = time.time()
-    s = sync_scenario(TINY, 2, 2, 2, lr=1e-3, n_seqs=8)
+    s = sync_scenario(TINY, 2, 2, 2, lr=1e-3, n_seqs=8, bucket_mb=0.25)
     res["tiny_tp2"] = s["result"]
     tp2 = generate(s["group"], prompts, SamplingSettings(n=1, temperature=0.0, max_new_tokens=24))
-    res["tiny_tp2"]["greedy_equal_hf_after_export"] = None
     s["group"].export_hf(str(tmp / "tiny-tp2"))
     hf2 = hf_greedy(str(tmp / "tiny-tp2"), prompts, 24)
     vl2 = [tp2["input_ids"][i, len(p):int(tp2["attention_mask"][i].sum())].tolist() for i, p in enumerate(prompts)]
@@ -185,7 +207,7 @@ def main() -> None:
 
     # 3. SmolLM2-135M (3 KV heads: Megatron TP 1 on 4 workers): TP=1 PP=2 DP=2 -> rollout TP=1
     t0 = time.time()
-    s = sync_scenario(SMOLLM2, 1, 2, 1, lr=1e-4, n_seqs=4)
+    s = sync_scenario(SMOLLM2, 1, 2, 1, lr=1e-4, n_seqs=4, bucket_mb=16)
     res["smollm2_tp1"] = s["result"]
     s["group"].close_rollout()
     timed("smollm2 1x2 -> rollout tp1", t0)

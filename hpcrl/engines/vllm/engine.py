@@ -1,0 +1,153 @@
+"""One worker's vLLM engine for rollouts, in SPMD mode inside the workers' torch.distributed world.
+
+Every worker constructs a `RolloutEngine`; vLLM's `external_launcher` backend reuses the existing
+world, forms tensor-parallel groups of `tensor_parallel` consecutive ranks and treats the rest as
+independent data-parallel replicas (rollout DP = world / rollout TP). The rollout layout is thus
+independent of the trainer's TP/PP layout. Ranks of one rollout TP group must make the same calls
+with the same prompts; replicas serve different prompts.
+
+Why in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0): the trainer's weights are pushed into the engine
+through `reload_weights` with a lazily filled iterator, which only works when the engine's model
+lives in this process; it also starts in seconds instead of tens of seconds on CPU.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass
+class SamplingSettings:
+    """What `generate` samples: n completions per prompt, with these limits."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 (or 0): no top-k cut
+    max_new_tokens: int = 256
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None  # per-prompt seeds are seed + global prompt index (reproducible, TP-consistent)
+
+    @classmethod
+    def from_rollout_config(cls, rollout: dict[str, Any], **overrides: Any) -> SamplingSettings:
+        base = {k: rollout[k] for k in ("n", "temperature", "top_p", "top_k", "max_new_tokens", "stop")}
+        base.update(overrides)
+        return cls(**base)
+
+
+@dataclass
+class Completion:
+    """One sampled continuation: its tokens, the log-prob of each under the rollout policy (raw
+    model distribution, before temperature / top-k / top-p), and why it ended."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+class RolloutEngine:
+    """A vLLM `LLM` in external-launcher (SPMD) mode on this rank."""
+
+    def __init__(self, model_path: str, tensor_parallel: int = 1, dtype: torch.dtype = torch.float32,
+                 seed: int = 0, cpu_kv_cache_gib: float = 1, gpu_memory_utilization: float = 0.5,
+                 max_model_len: int | None = None, engine_kwargs: dict[str, Any] | None = None):
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise RuntimeError("RolloutEngine needs torch.distributed initialised among the workers")
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if world % tensor_parallel:
+            raise ValueError(f"rollout TP {tensor_parallel} does not divide the {world} workers")
+        # read by vLLM when the engine is built: KV cache size on CPU, and the in-process engine
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_cache_gib)
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        from vllm import LLM
+
+        kwargs: dict[str, Any] = {
+            "model": model_path, "dtype": VLLM_DTYPES[dtype], "tensor_parallel_size": tensor_parallel,
+            "distributed_executor_backend": "external_launcher", "seed": seed, "enforce_eager": True,
+            "gpu_memory_utilization": gpu_memory_utilization,
+        }
+        if max_model_len is not None:
+            kwargs["max_model_len"] = max_model_len
+        kwargs.update(engine_kwargs or {})
+        self.model_path = model_path
+        self.tp_size = tensor_parallel
+        self.tp_rank = rank % tensor_parallel
+        self.dp_rank = rank // tensor_parallel
+        self.dp_size = world // tensor_parallel
+        self.llm = LLM(**kwargs)
+
+    # generation --------------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings,
+                 first_index: int = 0) -> list[list[Completion]]:
+        """`sampling.n` completions for each prompt (token ids), in prompt order.
+
+        first_index is the global index of prompts[0]: per-prompt seeds derive from it, so results
+        do not depend on how prompts were split over replicas."""
+        from vllm import SamplingParams
+
+        params = []
+        for i in range(len(prompts)):
+            params.append(SamplingParams(
+                n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
+                top_k=sampling.top_k if sampling.top_k > 0 else 0, max_tokens=sampling.max_new_tokens,
+                stop=list(sampling.stop) or None, logprobs=0,
+                seed=None if sampling.seed is None else sampling.seed + first_index + i))
+        outs = self.llm.generate([{"prompt_token_ids": list(map(int, p))} for p in prompts], params,
+                                 use_tqdm=False)
+        result = []
+        for o in outs:
+            samples = []
+            for c in sorted(o.outputs, key=lambda c: c.index):
+                ids = list(c.token_ids)
+                lps = [float(d[t].logprob) for t, d in zip(ids, c.logprobs or [], strict=True)]
+                samples.append(Completion(ids, lps, str(c.finish_reason)))
+            result.append(samples)
+        return result
+
+    def prompt_logprobs(self, seqs: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Teacher-forced log-probs of whole sequences: entry t = log p(seq[t+1] | seq[:t+1])."""
+        from vllm import SamplingParams
+
+        sp = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+        outs = self.llm.generate([{"prompt_token_ids": list(map(int, s))} for s in seqs], sp, use_tqdm=False)
+        return [torch.tensor([float(d[t].logprob) for t, d in zip(o.prompt_token_ids[1:], o.prompt_logprobs[1:],
+                                                                    strict=True)], dtype=torch.float64)
+                for o in outs]
+
+    # weights -----------------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace the engine's weights in place from HF-named full tensors.
+
+        `weights` may be a lazy iterator: vLLM consumes it layer by layer inside one reload (which
+        re-packs each layer for the CPU kernels once it is complete), so a producer that fills it
+        bucket by bucket keeps only one bucket alive. vLLM slices each tensor for its own TP rank."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+    def close(self) -> None:
+        """Shut the engine down so that another engine (another model or rollout TP) can be built
+        in this process. vLLM's shutdown tears down its own model-parallel groups, and would also
+        destroy torch's default process group; that group belongs to the workers (Megatron and the
+        controller runtime use it), so it is kept."""
+        if self.llm is None:
+            return
+        from vllm.distributed import parallel_state as vps
+
+        destroy_world = vps.destroy_distributed_environment
+        vps.destroy_distributed_environment = lambda: None
+        try:
+            self.llm.llm_engine.engine_core.shutdown()
+        finally:
+            vps.destroy_distributed_environment = destroy_world
+        self.llm = None
+        gc.collect()

@@ -1,0 +1,158 @@
+"""The actor and its rollout engine in the same worker processes (colocated hybrid engine).
+
+Each worker holds its Megatron shard (training layout TP x PP x DP) and a vLLM engine (rollout
+layout: rollout TP, rollout DP = workers / rollout TP; vLLM groups consecutive ranks). The two
+layouts are independent; `reshard_to_rollout` moves the trainer's weights into the engines in
+place (hpcrl.engines.reshard).
+
+Controller side::
+
+    actor = WorkerGroup(ActorRolloutRole, init_kwargs={"cfg": cfg})
+    actor.reshard_to_rollout()
+    batch = generate(actor, prompt_ids, SamplingSettings(n=4, temperature=1.0, max_new_tokens=64))
+    gap = logprob_gap(batch["rollout_logprob"], actor.compute_logprob(batch), batch["response_mask"])
+
+Generation goes out with PER_RANK dispatch because the group's DP layout (the one DP_SPLIT uses)
+is the trainer's, not the rollout's: `generate` cuts the prompts by rollout DP rank itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hpcrl.controller import Collect, Dispatch, register
+from hpcrl.controller.batch import Batch, even_sizes
+from hpcrl.engines.reshard import naive_reshard, reshard_to_rollout
+from hpcrl.engines.vllm.engine import Completion, RolloutEngine, SamplingSettings
+from hpcrl.workers.megatron_roles import MegatronRole
+
+log = logging.getLogger(__name__)
+
+
+class ActorRolloutRole(MegatronRole):
+    """A Megatron actor rank with a colocated vLLM engine built from the same model."""
+
+    def __init__(self, cfg: dict[str, Any], role: str = "actor", model_path: str | None = None):
+        super().__init__(cfg, role, model_path)
+        r = cfg["rollout"]
+        self.rollout_cfg = r
+        engine_kwargs = dict(r.get("engine_kwargs") or {})
+        # long enough for a prompt and its completion, and for teacher-forced checks of both
+        engine_kwargs.setdefault("max_model_len", min(self.engine.arch.max_position_embeddings,
+                                                      cfg["data"]["max_prompt_length"] + r["max_new_tokens"]))
+        self.rollout = RolloutEngine(self.model_path, tensor_parallel=r["tensor_parallel"],
+                                     dtype=self.engine.options.dtype, seed=cfg["trainer"]["seed"],
+                                     cpu_kv_cache_gib=r["cpu_kv_cache_gib"],
+                                     gpu_memory_utilization=r["gpu_memory_utilization"],
+                                     engine_kwargs=engine_kwargs)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
+    def rollout_coords(self) -> tuple[int, int]:
+        """(rollout DP rank, rollout TP rank) of this worker."""
+        return (self.rollout.dp_rank, self.rollout.tp_rank)
+
+    @register(dispatch=Dispatch.PER_RANK, collect=Collect.ALL)
+    def generate_shard(self, prompts: list[list[int]], sampling: SamplingSettings,
+                       first_index: int) -> list[list[Completion]] | None:
+        """Completions for this rollout replica's prompts; only rollout TP rank 0 sends them back."""
+        out = self.rollout.generate(prompts, sampling, first_index) if prompts else []
+        return out if self.rollout.tp_rank == 0 else None
+
+    @register(dispatch=Dispatch.PER_RANK, collect=Collect.ALL)
+    def rollout_logprob_shard(self, seqs: list[list[int]]) -> list[torch.Tensor] | None:
+        """Teacher-forced log-probs under the rollout engine (label-aligned, one tensor a sequence)."""
+        out = self.rollout.prompt_logprobs(seqs) if seqs else []
+        return out if self.rollout.tp_rank == 0 else None
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
+    def reshard_to_rollout(self, bucket_mb: float | None = None) -> dict[str, Any]:
+        """Push the actor's current weights into the rollout engines in place; per-rank statistics."""
+        mb = self.rollout_cfg["weight_bucket_mb"] if bucket_mb is None else bucket_mb
+        return reshard_to_rollout(self.engine, self.rollout, int(mb * (1 << 20))).as_dict()
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
+    def naive_reshard(self) -> dict[str, Any]:
+        """The benchmark's baseline weight sync (full state dict through rank 0)."""
+        return naive_reshard(self.engine, self.rollout).as_dict()
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.NONE)
+    def close_rollout(self) -> None:
+        """Shut this group's vLLM engines down (vLLM's parallel state is per process: another
+        group's engine can only be built after this)."""
+        if self.rollout is not None:
+            self.rollout.close()
+            self.rollout = None
+
+    def close(self) -> None:
+        self.close_rollout()
+
+
+def _per_rank(group: Any, items: Sequence[Any]) -> tuple[list[list[Any]], list[int], list[tuple[int, int]]]:
+    """Cut items by rollout DP rank: each worker gets its replica's contiguous slice."""
+    coords = group.rollout_coords()
+    dp_size = 1 + max(c[0] for c in coords)
+    sizes = even_sizes(len(items), dp_size)
+    starts = [sum(sizes[:d]) for d in range(dp_size)]
+    shards = [list(items[starts[d]:starts[d] + sizes[d]]) for d in range(dp_size)]
+    return [shards[d] for d, _ in coords], [starts[d] for d, _ in coords], coords
+
+
+def _in_dp_order(results: list[Any], coords: list[tuple[int, int]]) -> list[Any]:
+    """Concatenate the TP-rank-0 results of every replica, replica by replica (= input order)."""
+    firsts = sorted((d, i) for i, (d, t) in enumerate(coords) if t == 0)
+    return [x for _, i in firsts for x in results[i]]
+
+
+def generate(group: Any, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> Batch:
+    """Sample `sampling.n` completions per prompt on the rollout engines of an ActorRolloutRole group.
+
+    Returns the wire format (hpcrl.workers.batching), sample j of prompt i in row i * n + j:
+    input_ids / attention_mask / response_mask [B*n, S] right-padded prompt + completion,
+    rollout_logprob [B*n, S] token-aligned (0 outside the completion), prompt_index [B*n]."""
+    shards, starts, coords = _per_rank(group, [list(map(int, p)) for p in prompts])
+    results = group.generate_shard(shards, [sampling] * len(shards), starts)
+    per_prompt: list[list[Completion]] = _in_dp_order(results, coords)
+    rows = [(i, list(map(int, prompts[i])), c) for i, samples in enumerate(per_prompt) for c in samples]
+    width = max(len(p) + len(c.token_ids) for _, p, c in rows)
+    n = len(rows)
+    ids = torch.zeros(n, width, dtype=torch.long)
+    attn = torch.zeros(n, width, dtype=torch.long)
+    resp = torch.zeros(n, width)
+    lp = torch.zeros(n, width)
+    for r, (_, p, c) in enumerate(rows):
+        end = len(p) + len(c.token_ids)
+        ids[r, :end] = torch.tensor(p + c.token_ids)
+        attn[r, :end] = 1
+        resp[r, len(p):end] = 1
+        lp[r, len(p):end] = torch.tensor(c.logprobs)
+    return Batch({"input_ids": ids, "attention_mask": attn, "response_mask": resp, "rollout_logprob": lp,
+                  "prompt_index": torch.tensor([i for i, _, _ in rows])})
+
+
+def rollout_logprobs(group: Any, batch: Batch) -> torch.Tensor:
+    """Teacher-forced token-aligned log-probs [B, S] of a wire-format batch under the rollout engines."""
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    seqs = [batch["input_ids"][i, :int(n)].tolist() for i, n in enumerate(lengths)]
+    shards, _, coords = _per_rank(group, seqs)
+    per_seq = _in_dp_order(group.rollout_logprob_shard(shards), coords)
+    out = torch.zeros(batch["input_ids"].shape, dtype=torch.float64)
+    for i, v in enumerate(per_seq):
+        out[i, 1:1 + v.numel()] = v
+    return out
+
+
+def logprob_gap(rollout_lp: torch.Tensor, actor_lp: torch.Tensor, mask: torch.Tensor,
+                step: int | None = None) -> dict[str, float]:
+    """Mean and max |rollout - actor| log-prob over the masked tokens, logged (every step calls it:
+    a growing gap means the rollout engine runs stale or differently computed weights)."""
+    m = mask.bool()
+    d = (rollout_lp.double() - actor_lp.double()).abs()[m]
+    gap = {"rollout_actor_logprob_gap_mean": float(d.mean()) if d.numel() else 0.0,
+           "rollout_actor_logprob_gap_max": float(d.max()) if d.numel() else 0.0}
+    log.info("step %s: rollout vs actor log-prob |delta| mean %.3e max %.3e", step,
+             gap["rollout_actor_logprob_gap_mean"], gap["rollout_actor_logprob_gap_max"])
+    return gap
