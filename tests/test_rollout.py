@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from conftest import PYTHON, run
 
 from hpcrl.launch import entry_argv, mpiexec_command
@@ -34,6 +35,10 @@ def test_vllm_logprobs_match_actor_after_each_reshard(checks: dict, scenario: st
     assert s["actor_change"] > 1e-3 and s["gap_stale"] > 1e-3, s
     assert s["update"]["optimizer_steps"] == 1
     assert s["gap_after_reshard_2"] < 1e-4, s
+    # the phase switch around it: sleep/offload act only on GPUs (vLLM has no sleep mode on CPU)
+    on_gpu = torch.cuda.is_available()
+    assert s["enter_training"] == {"rollout_slept": on_gpu, "trainer_onloaded": on_gpu}
+    assert all(st["trainer_offloaded"] == on_gpu for st in s["reshard_2"])
 
 
 def test_layouts_are_independent(checks: dict) -> None:

@@ -75,6 +75,23 @@ class ActorRolloutRole(MegatronRole):
         return reshard_to_rollout(self.engine, self.rollout, int(mb * (1 << 20))).as_dict()
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
+    def enter_rollout(self, bucket_mb: float | None = None) -> dict[str, Any]:
+        """Training -> rollout phase. On GPU the order matters for peak memory: wake vLLM's weight
+        memory, push the actor's weights into it, move the trainer to host memory, and only then
+        give vLLM its KV cache back. On CPU only the push does anything."""
+        self.rollout.wake_up(["weights"])
+        stats = ActorRolloutRole.reshard_to_rollout(self, bucket_mb)
+        stats["trainer_offloaded"] = self.engine.offload()
+        self.rollout.wake_up(["kv_cache"])
+        return stats
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
+    def enter_training(self) -> dict[str, bool]:
+        """Rollout -> training phase: vLLM releases the device (KV cache freed, weights to host),
+        the trainer comes back onto it. No-ops on CPU."""
+        return {"rollout_slept": self.rollout.sleep(), "trainer_onloaded": self.engine.onload()}
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
     def naive_reshard(self) -> dict[str, Any]:
         """The benchmark's baseline weight sync (full state dict through rank 0)."""
         return naive_reshard(self.engine, self.rollout).as_dict()

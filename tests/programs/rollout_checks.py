@@ -99,7 +99,8 @@ def sync_scenario(model: str, tp: int, pp: int, rollout_tp: int, lr: float, n_se
     actor2 = group.compute_logprob(batch)
     out["actor_change"] = masked_max(actor2, actor, mask)
     out["gap_stale"] = masked_max(rollout_logprobs(group, batch), actor2, mask)
-    out["reshard_2"] = group.reshard_to_rollout(bucket_mb)
+    out["enter_training"] = group.enter_training()
+    out["reshard_2"] = group.enter_rollout(bucket_mb)  # the phase switch an RL step makes
     out["gap_after_reshard_2"] = masked_max(rollout_logprobs(group, batch), actor2, mask)
     lap("rest")
     return {"group": group, "result": out, "batch": batch}

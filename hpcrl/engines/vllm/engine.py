@@ -78,7 +78,12 @@ class RolloutEngine:
         }
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
+        # GPU: sleep mode lets the trainer and the engine take turns with the device memory;
+        # vLLM has no sleep mode on CPU.
+        if torch.cuda.is_available():
+            kwargs["enable_sleep_mode"] = True
         kwargs.update(engine_kwargs or {})
+        self.sleep_mode = bool(kwargs.get("enable_sleep_mode", False))
         self.model_path = model_path
         self.tp_size = tensor_parallel
         self.tp_rank = rank % tensor_parallel
@@ -133,6 +138,22 @@ class RolloutEngine:
         bucket by bucket keeps only one bucket alive. vLLM slices each tensor for its own TP rank."""
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+
+    def sleep(self) -> bool:
+        """Free the KV cache and move the weights to host memory while the trainer runs.
+        False (nothing done) where sleep mode is off, e.g. on CPU."""
+        if not self.sleep_mode:
+            return False
+        self.llm.sleep(level=1)
+        return True
+
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Bring back what `sleep` released: tags ["weights"] first (to push new ones), then
+        ["kv_cache"] once the trainer has left the device; None wakes both."""
+        if not self.sleep_mode:
+            return False
+        self.llm.wake_up(tags=tags)
+        return True
 
     def close(self) -> None:
         """Shut the engine down so that another engine (another model or rollout TP) can be built
