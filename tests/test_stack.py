@@ -27,8 +27,10 @@ def test_cuda_only_packages_are_removed() -> None:
 
 def test_pip_mpich_runs_a_real_multi_rank_world() -> None:
     mpiexec = Path(PYTHON).with_name("mpiexec")
+    # rank 0 prints for everyone: lines printed by several ranks may interleave
     code = ("from mpi4py import MPI; c = MPI.COMM_WORLD; s = c.allreduce(c.Get_rank());"
-            "print(c.Get_rank(), c.Get_size(), s, MPI.Get_library_version().split()[0])")
+            "rows = c.gather(f'{c.Get_rank()} {c.Get_size()} {s} {MPI.Get_library_version().split()[0]}');"
+            "print(chr(10).join(rows) if rows else '', end='')")
     r = run([str(mpiexec), "-n", "3", PYTHON, "-c", code], timeout=60)
     assert r.returncode == 0, r.stderr
     rows = sorted(line.split() for line in r.stdout.strip().splitlines())
