@@ -286,18 +286,18 @@ class MegatronEngine:
         nll = tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(), labels.t().contiguous())
         return -nll.t()
 
-    @torch.no_grad()
-    def compute_values(self, seqs: list[torch.Tensor]) -> list[torch.Tensor] | None:
-        """Per-position values (entry t: the state seq[:t+1]) from the value head; last stage only."""
-        assert self.value_head, "compute_values needs an engine built with value_head=True"
+    def _forward_collect(self, seqs: list[torch.Tensor],
+                         per_token: Callable[[torch.Tensor, PackedMicroBatch], torch.Tensor]
+                         ) -> list[torch.Tensor] | None:
+        """Forward only; per_token(output, micro-batch) -> [B, T] values laid out like labels, cut
+        back into one tensor per sequence. Returned on the last pipeline stage, None elsewhere."""
         self.model.eval()
-        mbs = self._micro_batches(seqs)
 
         def loss_fn(output: torch.Tensor, mb: PackedMicroBatch):
-            v = output[..., 0].float()
+            v = per_token(output, mb)
             return v.sum() * 0.0, torch.tensor(1), {"values": v.detach().cpu(), "mb": mb}
 
-        store = self._run(mbs, loss_fn, forward_only=True)
+        store = self._run(self._micro_batches(seqs), loss_fn, forward_only=True)
         if not store:
             return None
         out: dict[int, torch.Tensor] = {}
@@ -306,24 +306,17 @@ class MegatronEngine:
         return [out[i].clone() for i in range(len(seqs))]
 
     @torch.no_grad()
+    def compute_values(self, seqs: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Per-position values (entry t: the state seq[:t+1]) from the value head; last stage only."""
+        assert self.value_head, "compute_values needs an engine built with value_head=True"
+        return self._forward_collect(seqs, lambda output, mb: output[..., 0].float())
+
+    @torch.no_grad()
     def compute_logprob(self, seqs: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Per-token log-probs of each sequence (entry t: log p(seq[t+1] | seq[:t+1])).
 
         Returned on the last pipeline stage (every TP rank of it); other stages return None."""
-        self.model.eval()
-        mbs = self._micro_batches(seqs)
-
-        def loss_fn(output: torch.Tensor, mb: PackedMicroBatch):
-            lp = self.token_logprobs(output, mb)
-            return lp.sum() * 0.0, torch.tensor(1), {"logprob": lp.detach().cpu(), "mb": mb}
-
-        store = self._run(mbs, loss_fn, forward_only=True)
-        if not store:
-            return None
-        out: dict[int, torch.Tensor] = {}
-        for item in store:
-            out.update(unpack_token_values(item["logprob"], item["mb"]))
-        return [out[i].clone() for i in range(len(seqs))]
+        return self._forward_collect(seqs, self.token_logprobs)
 
     def token_entropy(self, logits: torch.Tensor) -> torch.Tensor:
         """Entropy of the full-vocabulary distribution per position from vocab-parallel logits."""
