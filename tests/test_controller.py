@@ -23,7 +23,7 @@ import torch
 
 from hpcrl.controller import Batch, Collect, Dispatch, ParallelLayout, Worker, register
 from hpcrl.controller.dispatch import dp_split, merge, method_mode
-from hpcrl.launch import entry_argv, mpiexec_command, srun_het_command
+from hpcrl.launch import entry_argv, mpiexec_command
 from hpcrl.launch.exit_order import hydra_announces_exits, plan_exit
 
 REPO = Path(__file__).resolve().parents[1]
@@ -269,20 +269,11 @@ def test_sigkill_controller_makes_workers_exit(tmp_path: Path) -> None:
 @pytest.mark.slurm
 @pytest.mark.usefixtures("slurm_cluster")
 def test_slurm_hetjob_one_world(tmp_path: Path) -> None:
+    """sbatch/check_world.sh, as a user submits it: one world over both het groups."""
     out = tmp_path / "slurm.json"
     log = tmp_path / "slurm-%j.out"
-    srun = " ".join(srun_het_command(entry_argv(str(PROGRAMS / "ctrl_slurm.py"), [str(out)])))
-    script = tmp_path / "job.sbatch"
-    script.write_text(
-        "#!/bin/bash\n"
-        f"#SBATCH --job-name=hpcrl-ctrl-test\n#SBATCH --output={log}\n#SBATCH --time=5\n"
-        "#SBATCH --nodes=1 --ntasks=1 --mem=500M\n"
-        "#SBATCH hetjob\n"
-        "#SBATCH --nodes=2 --ntasks-per-node=2 --mem=500M\n"
-        f"cd {REPO}\n{srun}\n"
-    )
-    job = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, timeout=30,
-                         check=True).stdout.strip().split(";")[0]
+    job = subprocess.run(["sbatch", "--parsable", f"--output={log}", "sbatch/check_world.sh", str(out)],
+                         cwd=REPO, capture_output=True, text=True, timeout=30, check=True).stdout.strip().split(";")[0]
     deadline = time.monotonic() + 120
     try:
         while time.monotonic() < deadline:
@@ -305,6 +296,7 @@ def test_slurm_hetjob_one_world(tmp_path: Path) -> None:
     assert [w["mpi_rank"] for w in workers] == [1, 2, 3, 4]
     assert all(w["gloo_world"] == 4.0 for w in workers)
     assert data["y"] == [0, 1, 1002, 1003, 2004, 2005, 3006, 3007]
+    assert "[check_world] OK: one MPI world" in logs
 
 
 if __name__ == "__main__":
