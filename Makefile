@@ -25,7 +25,7 @@ test: setup models data slurm-up   ## the whole suite, as CI runs it
 	$(PY) -m pytest tests $(PYTEST_ARGS)
 
 demo: setup models data            ## GRPO demo on SmolLM2-135M-Instruct (see README)
-	@bash tools/demo.sh
+	@bash tools/demo.sh $(ARGS)
 
 bench: setup models data           ## benchmarks (not run by CI); each prints ratios side by side
 	@bash tools/bench.sh

@@ -86,6 +86,29 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    """Run a config on this machine: one controller + the config's workers under mpiexec."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    from hpcrl.launch import entry_argv, mpiexec_command
+
+    cfg = load_validated(args)
+    w = world_size(cfg)
+    argv = mpiexec_command(w, entry_argv("hpcrl.trainer.main:main", [str(Path(args.config).resolve()),
+                                                                      *args.overrides]))
+    print(f"hpcrl run: {cfg.trainer.experiment}: 1 controller + {w} workers on this machine; "
+          f"run dir {cfg.trainer.run_dir}", flush=True)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # every rank is a process; threads would oversubscribe
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # per-step engine chatter from every worker otherwise
+    try:
+        return subprocess.run(argv, env=env).returncode
+    except KeyboardInterrupt:
+        return 130
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hpcrl", description="Slurm-first reinforcement learning for LLMs (PPO, GRPO and relatives).")
@@ -100,6 +123,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="print the ranks, parallel layouts and batch arithmetic of a config")
     _add_config_args(p)
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("run", help="run a config on this machine (controller + workers under mpiexec)")
+    _add_config_args(p)
+    p.set_defaults(func=cmd_run)
+
+    from hpcrl.cli_ckpt import add_commands as add_ckpt_commands
+    from hpcrl.cli_slurm import add_commands as add_slurm_commands
+
+    add_slurm_commands(sub)  # submit, status, cancel
+    add_ckpt_commands(sub)  # ckpt list / verify / export-hf
     return parser
 
 

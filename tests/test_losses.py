@@ -66,3 +66,72 @@ def test_token_weights_aggregation_modes() -> None:
     assert torch.allclose(ss[0], torch.tensor([0.5, 0.5, 0.0])) and torch.allclose(ss[1], torch.full((4,), 0.5))
     for w in (tm, sm):
         assert sum(float(x.sum()) for x in w) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("ratio,adv,expect,clipped", [
+    (1.5, 2.0, -1.3 * 2.0, True),     # A>0, ratio above 1+clip_high = 1.3: clipped at 1.3
+    (1.25, 2.0, -1.25 * 2.0, False),  # A>0, inside the wider upper bound: unclipped (0.2 would clip it)
+    (0.5, 2.0, -0.5 * 2.0, False),    # A>0, ratio below 1-clip_low = 0.9: unclipped (pessimistic)
+    (0.85, -2.0, 0.9 * 2.0, True),    # A<0, ratio below 1-clip_low = 0.9: clipped at 0.9 (0.2 would not)
+    (0.95, -2.0, 0.95 * 2.0, False),  # A<0, inside the bounds
+    (1.5, -2.0, 1.5 * 2.0, False),    # A<0, ratio above 1+clip_high: unclipped (pessimistic)
+    (1.5, 0.0, 0.0, False),           # A=0: no loss either way
+])
+def test_ppo_clip_higher_asymmetric_bounds(ratio, adv, expect, clipped) -> None:
+    loss, was_clipped = _loss(ratio, adv, clip_low=0.1, clip_high=0.3)
+    assert loss == pytest.approx(expect, abs=1e-6)
+    assert was_clipped == clipped
+
+
+def test_ppo_all_cases_per_token_with_dual_clip_and_gradients() -> None:
+    # one token per case, clip_low 0.2, clip_high 0.28, dual clip c = 3
+    ratios = [1.5, 0.5, 0.5, 1.5, 5.0, 3.5, 2.9, 5.0]
+    advs = [1.0, 1.0, -2.0, -2.0, -2.0, -2.0, -2.0, 2.0]
+    expect = [-1.28 * 1.0,  # A>0 above 1.28: clipped
+              -0.5 * 1.0,   # A>0 below 0.8: unclipped
+              0.8 * 2.0,    # A<0 below 0.8: clipped at 0.8 (under the dual cap 6)
+              1.5 * 2.0,    # A<0 above: unclipped (under the cap)
+              3.0 * 2.0,    # A<0, huge ratio: dual clip caps at c*|A| = 6 instead of 10
+              3.0 * 2.0,    # A<0, ratio 3.5 just over c: 7 capped to 6
+              2.9 * 2.0,    # A<0, ratio 2.9 under c: 5.8, the cap is not active
+              -1.28 * 2.0]  # A>0, huge ratio: ordinary clip, the dual clip only applies to A<0
+    lp = torch.tensor([math.log(r) for r in ratios], requires_grad=True)
+    loss, clipped = ppo_policy_loss(lp, torch.zeros(8), torch.tensor(advs), clip_low=0.2, clip_high=0.28,
+                                    dual_clip_c=3.0)
+    assert torch.allclose(loss, torch.tensor(expect), atol=1e-5)
+    # was_clipped reports the ordinary clip only (the dual cap is not counted as clipped)
+    assert clipped.tolist() == [True, False, True, False, False, False, False, True]
+    loss.sum().backward()
+    # d/dlp of -A * ratio is -A * ratio where the unclipped term is active; 0 where clipped or capped
+    grad = [0.0, -0.5, 0.0, 3.0, 0.0, 0.0, 5.8, 0.0]
+    assert torch.allclose(lp.grad, torch.tensor(grad), atol=1e-5)
+
+
+def test_kl_estimators_per_token_by_hand() -> None:
+    lp = torch.tensor([-1.0, -2.0, -0.5, -0.2])
+    ref = torch.tensor([-2.0, -1.0, -0.5, -0.5])
+    # log r = lp - ref = [1, -1, 0, 0.3]
+    assert torch.allclose(kl_estimate(lp, ref, "k1"), torch.tensor([1.0, -1.0, 0.0, 0.3]), atol=1e-6)
+    # (log r)^2 / 2
+    assert torch.allclose(kl_estimate(lp, ref, "k2"), torch.tensor([0.5, 0.5, 0.0, 0.045]), atol=1e-6)
+    # exp(-log r) - 1 + log r: e^-1 - 1 + 1 = 0.3678794, e - 1 - 1 = 0.7182818, 0, e^-0.3 - 0.7 = 0.0408182
+    assert torch.allclose(kl_estimate(lp, ref, "k3"), torch.tensor([0.3678794, 0.7182818, 0.0, 0.0408182]),
+                          atol=1e-6)
+
+
+def test_token_weights_aggregate_losses_by_hand() -> None:
+    # per-token losses of three responses (one of them empty); junk at unmasked positions
+    masks = [torch.tensor([1.0, 1.0, 0.0]), torch.tensor([1.0, 1.0, 1.0, 1.0]), torch.tensor([0.0, 0.0])]
+    losses = [torch.tensor([1.0, 2.0, 50.0]), torch.tensor([3.0, 4.0, 5.0, 6.0]), torch.tensor([70.0, 80.0])]
+
+    def agg(mode: str) -> float:
+        return sum(float((w * x).sum()) for w, x in zip(token_weights(masks, mode), losses))
+
+    assert agg("token-mean") == pytest.approx((1 + 2 + 3 + 4 + 5 + 6) / 6)           # 3.5
+    assert agg("seq-mean-token-mean") == pytest.approx(((1 + 2) / 2 + (3 + 4 + 5 + 6) / 4 + 0) / 3)  # 2.0
+    assert agg("seq-mean-token-sum") == pytest.approx(((1 + 2) + (3 + 4 + 5 + 6) + 0) / 3)  # 7.0
+    sm = token_weights(masks, "seq-mean-token-mean")
+    assert torch.allclose(sm[0], torch.tensor([1 / 6, 1 / 6, 0.0])) and torch.allclose(sm[1], torch.full((4,), 1 / 12))
+    assert (sm[2] == 0).all()
+    with pytest.raises(ValueError, match="seq-sum"):
+        token_weights(masks, "seq-sum")

@@ -88,3 +88,9 @@ def test_cpu_path_uses_local_spec_and_gloo(checks: dict) -> None:
 @pytest.mark.gpu
 def test_gpu_path_uses_transformer_engine_and_nccl(checks: dict) -> None:
     assert checks["cuda"] and checks["engine"]["spec"] == "te" and checks["engine"]["backend"] == "nccl"
+
+
+def test_reward_model_scores_match_hf(checks: dict) -> None:
+    r = checks["reward_model"]
+    assert r["n"] == 6 and r["spread"] > 1e-2, r  # the scores differ between sequences
+    assert r["max_abs"] < 1e-4, r

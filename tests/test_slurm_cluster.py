@@ -46,7 +46,9 @@ def test_up_from_stopped_daemons_and_purged_state_within_two_minutes() -> None:
 def test_partitions_for_normal_preemptible_and_high_priority_jobs() -> None:
     r = run(["scontrol", "show", "partition", "-o"], timeout=30)
     parts = {re.search(r"PartitionName=(\S+)", line).group(1): line for line in r.stdout.strip().splitlines()}
-    assert set(parts) == {"normal", "preempt", "high"}
+    assert set(parts) == {"normal", "preempt", "high", "gpu"}
+    # gpu: simulated 8-GPU nodes for `sbatch --test-only sbatch/ppo_70b.sh`; DOWN, so nothing ever runs there
+    assert "State=DOWN" in parts["gpu"] and "Default=YES" not in parts["gpu"]
     assert "Default=YES" in parts["normal"]
     assert "PreemptMode=REQUEUE" in parts["preempt"]
     tier = {name: int(re.search(r"PriorityTier=(\d+)", line).group(1)) for name, line in parts.items()}

@@ -78,7 +78,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     recipe = {k: getattr(args, k) for k in ("train", "val", "max_operand", "seed", "format")}
     stamp = out / ".hpcrl-build.json"
-    if not args.force and stamp.is_file() and json.loads(stamp.read_text()) == recipe:
+    outputs = [out / f"{split}.{args.format}" for split in ("train", "val")]
+    if (not args.force and stamp.is_file() and json.loads(stamp.read_text()) == recipe
+            and all(p.is_file() for p in outputs)):  # a deleted split is rebuilt, not reported up to date
         print(f"[arith-data] {out} is up to date", flush=True)
         return 0
     out.mkdir(parents=True, exist_ok=True)

@@ -8,6 +8,8 @@
 #            SLURM_REQUEUE_DELAY (10; AuthInfo=cred_expire = minimum delay
 #                                 before a requeued job starts again; Slurm default 120)
 #            SLURM_UP_TIMEOUT (60 s for the nodes to come up idle)
+#            SLURM_SIM_GPU_NODES (40; 0: none) simulated 8-GPU nodes g001.. in partition `gpu`,
+#                                 which never run anything (see "simulated GPU nodes" below)
 set -euo pipefail
 
 NODES=${SLURM_NODES:-4}
@@ -16,6 +18,7 @@ MEM=${SLURM_NODE_MEM_MB:-4000}
 ACCT=${SLURM_ACCOUNTING:-dbd}
 CRED_EXPIRE=${SLURM_REQUEUE_DELAY:-10}
 TIMEOUT=${SLURM_UP_TIMEOUT:-60}
+SIM_GPU_NODES=${SLURM_SIM_GPU_NODES:-40}
 CLUSTER=ci
 CONF=/etc/slurm/slurm.conf
 STATE=/var/lib/slurm
@@ -161,6 +164,29 @@ PartitionName=normal  Nodes=n[1-$NODES] Default=YES MaxTime=INFINITE State=UP Pr
 PartitionName=preempt Nodes=n[1-$NODES] MaxTime=INFINITE State=UP PriorityTier=1 PreemptMode=REQUEUE GraceTime=10
 PartitionName=high    Nodes=n[1-$NODES] MaxTime=INFINITE State=UP PriorityTier=10 PreemptMode=OFF
 EOF
+# Simulated GPU nodes: only so that `sbatch --test-only sbatch/ppo_70b.sh` (33 nodes, 8 GPUs on each worker
+# node) can be checked here. Slurm validates a job against its partition's configured nodes and GRES, so they
+# must exist in slurm.conf; nothing may ever run on them. How (measured with Slurm 22.05):
+# - State=CLOUD + power saving (SuspendProgram/ResumeProgram=/bin/true, real partitions excluded): the nodes
+#   stay "powered down" (idle~), so slurmctld never pings them. State=FUTURE nodes are invisible to --test-only
+#   ("Requested node configuration is not available"); plain nodes without a slurmd go DOWN, same refusal.
+# - NodeAddr=127.0.0.1 on a port nobody listens on: if anything does contact them it fails at once; with
+#   made-up host names slurmctld's agent spent ~10 s per node in DNS retries and delayed real job launches.
+# - Partition State=DOWN: jobs may be queued there but are never allocated; --test-only still accepts them.
+# - PrivateData=cloud: show the powered-down nodes in sinfo/scontrol (hidden by default).
+if (( SIM_GPU_NODES > 0 )); then
+  SIM_NODES="g[001-$(printf %03d "$SIM_GPU_NODES")]"
+  cat >>"$NEW" <<EOF
+GresTypes=gpu
+PrivateData=cloud
+SuspendProgram=/bin/true
+ResumeProgram=/bin/true
+SuspendTime=600
+SuspendExcParts=normal,preempt,high
+NodeName=$SIM_NODES NodeHostname=$HOST NodeAddr=127.0.0.1 Port=$BASE_PORT CPUs=128 Boards=1 SocketsPerBoard=2 CoresPerSocket=64 ThreadsPerCore=1 RealMemory=1000000 Gres=gpu:8 State=CLOUD
+PartitionName=gpu Nodes=$SIM_NODES MaxTime=INFINITE State=DOWN
+EOF
+fi
 RESTART=0
 if ! cmp -s "$NEW" "$CONF"; then
   log "writing $CONF"
@@ -182,7 +208,9 @@ if [[ $RESTART == 1 ]]; then
     done
   fi
 fi
+CTLD_STARTED=0
 if ! alive /run/slurmctld.pid; then
+  CTLD_STARTED=1
   # state saved under another ClusterName makes slurmctld refuse to start
   if [[ -s $STATE/slurmctld/clustername && $(cat "$STATE/slurmctld/clustername") != "$CLUSTER" ]]; then
     log "discarding state of another cluster"
@@ -212,6 +240,13 @@ while :; do
   fi
   sleep 0.5
 done
+# A slurmctld that recovers the simulated nodes from its state file marks them NOT_RESPONDING, which takes
+# them out of --test-only's view until they are set DOWN and RESUMEd once (no power-up happens, measured).
+if (( SIM_GPU_NODES > 0 && CTLD_STARTED )); then
+  { scontrol update NodeName="$SIM_NODES" State=DOWN Reason="simulated GPU nodes (tools/slurm_up.sh)" &&
+    scontrol update NodeName="$SIM_NODES" State=RESUME; } ||
+    log "could not reset the simulated GPU nodes: sbatch --test-only on partition gpu may refuse jobs"
+fi
 if [[ $ACCT == dbd ]]; then   # slurmctld registers the cluster itself on start
   for _ in $(seq 50); do
     sacctmgr -n -P show cluster format=cluster 2>/dev/null | grep -qx "$CLUSTER" && break; sleep 0.2

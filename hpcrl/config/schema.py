@@ -81,7 +81,8 @@ class CriticConfig:
     enable: bool | None = None
     # Defaults to model.path (value head initialised fresh).
     model_path: str | None = None
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    # Defaults to the actor's layout: the critic is colocated with the actor.
+    parallel: ParallelConfig | None = None
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     ppo_mini_batch_size: int = 16
     ppo_epochs: int = 1
@@ -169,6 +170,7 @@ class DataConfig:
     max_prompt_length: int = 512
     train_batch_size: int = 8  # prompts per step
     val_batch_size: int = 64
+    val_max_samples: int = 0  # validate on the first N validation prompts; 0 = all
     shuffle: bool = True
     seed: int = 1
 

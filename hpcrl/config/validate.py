@@ -65,6 +65,7 @@ RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     "data.max_prompt_length": (1, None, True),
     "data.train_batch_size": (1, None, True),
     "data.val_batch_size": (1, None, True),
+    "data.val_max_samples": (0, None, True),
     "trainer.total_steps": (0, None, True),
     "trainer.val_every": (0, None, True),
     "trainer.nnodes": (1, None, True),
@@ -114,7 +115,7 @@ def role_layouts(cfg: DictConfig) -> dict[str, Layout]:
     w = world_size(cfg)
     par = {"actor": cfg.actor.parallel}
     if critic_enabled(cfg):
-        par["critic"] = cfg.critic.parallel
+        par["critic"] = cfg.critic.parallel or cfg.actor.parallel
     if reference_enabled(cfg):
         par["reference"] = cfg.reference.parallel or cfg.actor.parallel
     return {role: Layout(p.tensor_parallel, p.pipeline_parallel, w // (p.tensor_parallel * p.pipeline_parallel))
@@ -129,6 +130,8 @@ def rollout_layout(cfg: DictConfig) -> Layout:
 def _get(cfg: DictConfig, dotted: str) -> Any:
     node: Any = cfg
     for part in dotted.split("."):
+        if node is None:  # an optional section left null (e.g. critic.parallel: the actor's)
+            return None
         node = node[part]
     return node
 
@@ -170,7 +173,7 @@ def _check_layout(cfg: DictConfig, problems: list[str]) -> None:
     where = (f"the {w} workers (trainer.nnodes={cfg.trainer.nnodes} x "
              f"trainer.workers_per_node={cfg.trainer.workers_per_node})")
     roles = {"actor": cfg.actor.parallel}
-    if critic_enabled(cfg):
+    if critic_enabled(cfg) and cfg.critic.parallel is not None:
         roles["critic"] = cfg.critic.parallel
     if reference_enabled(cfg) and cfg.reference.parallel is not None:
         roles["reference"] = cfg.reference.parallel
@@ -259,7 +262,8 @@ def _gcd(a: int, b: int) -> int:
 def _layout_broken(cfg: DictConfig) -> bool:
     w = world_size(cfg)
     return any(p.tensor_parallel < 1 or p.pipeline_parallel < 1 or w % (p.tensor_parallel * p.pipeline_parallel)
-               for p in (cfg.actor.parallel, cfg.critic.parallel, cfg.reference.parallel or cfg.actor.parallel))
+               for p in (cfg.actor.parallel, cfg.critic.parallel or cfg.actor.parallel,
+                         cfg.reference.parallel or cfg.actor.parallel))
 
 
 def _check_paths(cfg: DictConfig, problems: list[str]) -> dict[str, Any] | None:

@@ -47,7 +47,8 @@ class MegatronRole(Worker):
     def __init__(self, cfg: dict[str, Any], role: str = "actor", model_path: str | None = None):
         self.role = role
         section = cfg[role]
-        par = (section.get("parallel") or cfg["actor"]["parallel"]) if role == "reference" else section["parallel"]
+        # reference and critic default to the actor's layout (they are colocated with it)
+        par = section.get("parallel") or cfg["actor"]["parallel"]
         _use_layout(par["tensor_parallel"], par["pipeline_parallel"], seed=cfg["trainer"]["seed"])
         trains = role in ("actor", "critic")
         src = section if trains else cfg["actor"]
@@ -197,3 +198,30 @@ class MegatronRole(Worker):
         """Pipeline stage of a torch.distributed rank in megatron's order (TP fastest, then DP, then PP)."""
         e = self.engine
         return rank // (e.tp_size * e.dp_size)
+
+    # checkpoints (hpcrl.checkpoint, docs/checkpoint.md) ----------------------------------------
+    def _checkpointer(self) -> Any:
+        from hpcrl.checkpoint.megatron_state import RoleCheckpointer
+
+        if getattr(self, "_ckpt", None) is None:
+            self._ckpt = RoleCheckpointer(self.engine, self.role, self.model_path)
+        return self._ckpt
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
+    def save_checkpoint(self, ckpt_dir: str, async_save: bool = False) -> list[dict[str, Any]]:
+        """Write this rank's part of the role into the (temporary) checkpoint folder: its shard
+        with optimizer state if it is in DP replica 0, its RNG states always. Returns the file
+        records for the manifest; [] for async_save (they come from wait_checkpoint)."""
+        return self._checkpointer().save(ckpt_dir, async_save)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
+    def wait_checkpoint(self) -> list[dict[str, Any]]:
+        """Finish an async save; its file records ([] when none is in flight)."""
+        return self._checkpointer().wait()
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
+    def load_checkpoint(self, ckpt_dir: str, seed: int | None = None) -> dict[str, Any]:
+        """Load the role from a committed checkpoint folder, converting when it was saved in another
+        layout (then RNGs are reseeded from seed, default trainer.seed of its config.yaml, and the
+        step). An actor with a rollout engine must reshard to it afterwards."""
+        return self._checkpointer().load(ckpt_dir, seed)

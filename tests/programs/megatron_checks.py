@@ -79,6 +79,34 @@ def hf_logprobs(model: str, batch) -> torch.Tensor:
     return out
 
 
+def make_tiny_reward_model(out: Path) -> str:
+    """The tiny model as a one-label sequence classifier with a seeded random score head."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2ForSequenceClassification
+
+    lm = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+    cfg = lm.config
+    cfg.num_labels = 1
+    rm = Qwen2ForSequenceClassification(cfg).to(torch.float32)
+    rm.model.load_state_dict(lm.model.state_dict())
+    with torch.no_grad():
+        rm.score.weight.copy_(torch.randn(rm.score.weight.shape, generator=torch.Generator().manual_seed(3)))
+    rm.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(TINY).save_pretrained(out)
+    return str(out)
+
+
+def hf_sequence_scores(model: str, batch) -> torch.Tensor:
+    from transformers import AutoModelForSequenceClassification
+
+    hf = AutoModelForSequenceClassification.from_pretrained(model, dtype=torch.float32).eval()
+    out = []
+    with torch.no_grad():
+        for i in range(len(batch)):
+            n = int(batch["attention_mask"][i].sum())
+            out.append(float(hf(batch["input_ids"][i, :n][None]).logits[0, 0]))
+    return torch.tensor(out)
+
+
 def load_safetensors_dir(path: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -173,7 +201,23 @@ def main() -> None:
     res["critic"] = {"v0_max_abs": float(v0.abs().max()), "losses": losses, "value_means": means}
     timed("critic tiny", t0)
 
-    # 4. SmolLM2-135M: log-probs vs HF (9 heads / 3 KV heads: TP can only be 1 or 3 on 4 workers -> 1)
+    # 4. reward model: a sequence-classification head read by the engine's value head, vs HF's score
+    t0 = time.time()
+    from hpcrl.workers.reward_model import RewardModelRole
+
+    rm_path = make_tiny_reward_model(tmp / "tiny-rm")
+    tp, pp = layouts[-1]
+    cfg = make_cfg(TINY, tp, pp)
+    cfg["reward"]["model_path"] = rm_path
+    rm = WorkerGroup(RewardModelRole, init_kwargs={"cfg": cfg}, name="reward-model")
+    rb = text_batch(TINY, 6)
+    scores = rm.compute_scores(rb)
+    ref_scores = hf_sequence_scores(rm_path, rb)
+    res["reward_model"] = {"layout": f"{tp}x{pp}", "max_abs": float((scores - ref_scores).abs().max()),
+                           "spread": float(ref_scores.max() - ref_scores.min()), "n": int(scores.numel())}
+    timed("reward model tiny", t0)
+
+    # 5. SmolLM2-135M: log-probs vs HF (9 heads / 3 KV heads: TP can only be 1 or 3 on 4 workers -> 1)
     sb = text_batch(SMOLLM2, 4)
     sref = hf_logprobs(SMOLLM2, sb)
     smask = sb["attention_mask"].clone()

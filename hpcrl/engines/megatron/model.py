@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "llama"}
+# Reward models: the same backbones with a one-label `score` head (read by the engine's value head).
+SUPPORTED.update({k.replace("ForCausalLM", "ForSequenceClassification"): v for k, v in list(SUPPORTED.items())})
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,106 @@
+"""Offline export of a checkpoint's role as a HuggingFace folder (no MPI, no process groups).
+
+The role's TP x PP shard files are joined unit by unit (embedding, each layer, final norm + head)
+into HF tensors (`SavedRole.unit_hf`), so memory holds one output file's worth of tensors plus one
+unit, whatever the model size. Config and tokenizer files come from the model folder the run was
+started from (model.path of the checkpoint's config.yaml).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+from hpcrl.checkpoint.files import fsync_dir, fsync_file
+from hpcrl.checkpoint.megatron_state import PARAM, SavedRole
+
+
+def source_model_path(ckpt: Path, saved: SavedRole, override: str | None = None) -> Path:
+    """The HF folder whose config/tokenizer files go with the export: `override`, else model.path
+    of config.yaml (relative paths: from the current directory), else the absolute path the writer
+    recorded at save time."""
+    candidates: list[Path] = []
+    if override:
+        candidates.append(Path(override))
+    else:
+        cfg_file = ckpt / "config.yaml"
+        if cfg_file.is_file():
+            import yaml
+
+            cfg = yaml.safe_load(cfg_file.read_text()) or {}
+            path = (cfg.get("model") or {}).get("path")
+            if path:
+                candidates.append(Path(path))
+        candidates.append(Path(saved.meta0["model_path"]))
+    for c in candidates:
+        if (c / "config.json").is_file():
+            return c
+    raise FileNotFoundError(f"no HF model folder with config.json among {[str(c) for c in candidates]}; "
+                            "pass the model folder explicitly (--model-path)")
+
+
+def export_hf(ckpt: str | Path, out_dir: str | Path, role: str = "actor", model_path: str | None = None,
+              max_shard_bytes: int = 2 << 30) -> dict[str, Any]:
+    """Write `role` of the checkpoint folder `ckpt` as a HF folder `out_dir` (which must not exist
+    or be empty). The folder appears complete or not at all (written beside it, then renamed)."""
+    from safetensors.torch import save_file
+
+    ckpt, out = Path(ckpt), Path(out_dir)
+    saved = SavedRole(ckpt / role)
+    if saved.value_head:
+        raise ValueError(f"{role} has a value head instead of an LM head: export-hf writes LM roles (actor, reference)")
+    src = source_model_path(ckpt, saved, model_path)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not an empty folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    parts: list[list[str]] = []
+    bucket: dict[str, Any] = {}
+    size = 0
+    total = 0
+
+    def flush() -> None:
+        nonlocal bucket, size
+        if bucket:
+            path = tmp / f"part-{len(parts)}.safetensors"
+            save_file(bucket, str(path), metadata={"format": "pt"})
+            fsync_file(path)
+            parts.append(sorted(bucket))
+        bucket, size = {}, 0
+
+    try:
+        for pp in range(saved.pp):
+            for unit in saved.units(pp):
+                for name, t in saved.unit_hf(PARAM, pp, unit).items():
+                    bucket[name] = t.clone()  # split q/k/v may share storage; safetensors refuses that
+                    n = t.numel() * t.element_size()
+                    size += n
+                    total += n
+                if size >= max_shard_bytes:
+                    flush()
+        flush()
+        weight_map = {}
+        for i, names in enumerate(parts):
+            final = f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"
+            os.rename(tmp / f"part-{i}.safetensors", tmp / final)
+            weight_map.update({k: final for k in names})
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=1))
+        for f in src.iterdir():
+            if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+                shutil.copy2(f, tmp / f.name)
+        fsync_dir(tmp)
+        if out.exists():
+            out.rmdir()
+        os.rename(tmp, out)
+        fsync_dir(out.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"out": str(out), "files": len(parts), "tensors": len(weight_map), "bytes": total,
+            "model_path": str(src), "step_count": saved.meta0["step_count"], "layout": saved.meta0["layout"]}

@@ -1,0 +1,537 @@
+"""Worker side of a checkpoint: one rank's Megatron shard with its optimizer state, and RNG states.
+
+Files, relative to the checkpoint folder (see docs/checkpoint.md)::
+
+    {role}/pp{P}_tp{T}.safetensors   written by the rank (TP T, stage P) of DP replica 0 only:
+        param::<megatron name>       the weights, in the model's dtype
+        master::<name>               fp32 master copy (bf16 models)
+        exp_avg::<name>, exp_avg_sq::<name>, step::<name>   torch AdamW's per-parameter state
+    {role}/pp{P}_tp{T}.json          the rest: layout, arch, spec, dtype, step_count, param names,
+                                     optimizer param_groups, which optimizer keys are per-element
+    rng/rank{R}.pt                   RNG states of torch.distributed rank R (every rank)
+
+Why every rank writes its own shard: nobody ever gathers a whole model (the save scales with the
+number of writers), and a load into the same layout reads back exactly the bytes it wrote, so a
+resumed run is bit-exact. A load into another layout (TP/PP, spec, dtype) rebuilds each tensor the
+way the HF weights were loaded in the first place: the saved TP shards of one unit (embedding, one
+layer, final norm + head) are joined into HF-named full tensors (`megatron_to_hf_partial`) and cut
+for the new layout (`hf_to_megatron`). Optimizer moments have their parameter's shape, so they
+travel the same way. Only one unit is held at full size at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hpcrl.checkpoint.files import FileRecord, file_record, fsync_dir, fsync_file, write_durable
+from hpcrl.engines.megatron.convert import hf_to_megatron, layer_range, megatron_to_hf_partial
+from hpcrl.engines.megatron.model import ModelArch
+
+log = logging.getLogger("hpcrl.checkpoint")
+
+SHARD_FORMAT = "hpcrl-megatron-shard/1"
+SEP = "::"
+PARAM, MASTER = "param", "master"
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
+_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+# Checkpoint folders whose RNG file this process already wrote: colocated roles (actor, critic,
+# reference) share one process and so one RNG state; the first role saved writes it.
+_rng_written: set[str] = set()
+
+
+def shard_stem(pp_rank: int, tp_rank: int) -> str:
+    return f"pp{pp_rank}_tp{tp_rank}"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass
+class ShardState:
+    """What one rank writes for one role: tensors keyed `kind::megatron name`, and JSON metadata."""
+
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+
+
+# saving ----------------------------------------------------------------------------------------
+def engine_state(engine: Any, role: str, model_path: str, copy: bool) -> ShardState:
+    """This rank's shard of `engine` (a MegatronEngine) with its optimizer state, on the CPU.
+
+    copy=True takes private copies (async saves: the next step updates the live tensors in place
+    while the writer thread still reads); copy=False aliases CPU tensors (a synchronous save)."""
+
+    def cpu(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if t.device.type != "cpu":
+            return t.to("cpu")
+        return t.clone() if copy else t
+
+    named = list(engine.model.named_parameters())
+    tensors = {f"{PARAM}{SEP}{n}": cpu(p) for n, p in named}
+    if engine.master is not None:
+        tensors.update({f"{MASTER}{SEP}{n}": cpu(m) for (n, _), m in zip(named, engine.master)})
+    optimizer: dict[str, Any] | None = None
+    if engine.optimizer is not None:
+        groups = engine.optimizer.param_groups
+        if len(groups) != 1:
+            raise NotImplementedError(f"{len(groups)} optimizer param groups; the engine builds one")
+        opt_params = groups[0]["params"]
+        per_element: set[str] = set()
+        scalar: set[str] = set()
+        other: dict[str, dict[str, Any]] = {}
+        steps: set[float] = set()
+        step_dtype = None
+        for (n, p), q in zip(named, opt_params):
+            for k, v in engine.optimizer.state.get(q, {}).items():
+                if k in (PARAM, MASTER) or SEP in k:
+                    raise ValueError(f"optimizer state key {k!r} collides with the checkpoint's naming")
+                if not torch.is_tensor(v):
+                    other.setdefault(n, {})[k] = v
+                    continue
+                tensors[f"{k}{SEP}{n}"] = cpu(v)
+                if v.shape == p.shape and v.dim() > 0:
+                    per_element.add(k)
+                else:
+                    scalar.add(k)
+                if k == "step":
+                    steps.add(float(v))
+                    step_dtype = _dtype_name(v.dtype)
+        optimizer = {
+            "class": type(engine.optimizer).__name__,
+            "param_groups": [{k: v for k, v in groups[0].items() if k != "params"}],
+            "per_element": sorted(per_element),
+            "scalar": sorted(scalar),
+            "other": other,
+            # every parameter takes every step (missing gradients are zero-filled), so one value,
+            # which a load into another layout gives to every new parameter
+            "step": steps.pop() if len(steps) == 1 else None,
+            "step_dtype": step_dtype,
+        }
+    meta = {
+        "format": SHARD_FORMAT,
+        "role": role,
+        "layout": {"tp": engine.tp_size, "pp": engine.pp_size, "dp": engine.dp_size, "tp_rank": engine.tp_rank,
+                   "pp_rank": engine.pp_rank},
+        "spec": engine.spec,
+        "dtype": _dtype_name(engine.options.dtype),
+        "value_head": bool(engine.value_head),
+        "arch": asdict(engine.arch),
+        "model_path": str(Path(model_path).resolve()),
+        "step_count": int(engine.step_count),
+        "params": [n for n, _ in named],
+        "shapes": {n: list(p.shape) for n, p in named},
+        "master": engine.master is not None,
+        "optimizer": optimizer,
+        "optim_settings": asdict(engine.optim) if engine.optim is not None else None,
+    }
+    return ShardState(tensors, meta)
+
+
+def write_shard(state: ShardState, ckpt_dir: str | Path, role: str) -> list[FileRecord]:
+    """Write and fsync one shard's two files; their records (size, sha256) for the manifest."""
+    from safetensors.torch import save_file
+
+    root = Path(ckpt_dir)
+    d = root / role
+    d.mkdir(parents=True, exist_ok=True)
+    lay = state.meta["layout"]
+    stem = shard_stem(lay["pp_rank"], lay["tp_rank"])
+    st, js = d / f"{stem}.safetensors", d / f"{stem}.json"
+    # one metadata key only: safetensors keeps them in a hash map, so several would be written in
+    # a random order and two saves of the same state would differ in bytes
+    save_file(state.tensors, str(st), metadata={"format": "pt"})
+    fsync_file(st)
+    write_durable(js, json.dumps(state.meta, indent=1, sort_keys=True))
+    fsync_dir(d)
+    return [file_record(st, root), file_record(js, root)]
+
+
+# RNG -------------------------------------------------------------------------------------------
+def capture_rng() -> dict[str, Any]:
+    """Every RNG this process draws from: Python, NumPy, torch CPU, CUDA devices, and megatron's
+    tensor-parallel tracker (on CPU its states are CPU generator states, see cpu_compat)."""
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy as np
+        s = np.random.get_state(legacy=False)
+        key = torch.from_numpy(s["state"]["key"].astype("int64"))
+        state["numpy"] = {"bit_generator": s["bit_generator"], "key": key, "pos": int(s["state"]["pos"]),
+                          "has_gauss": int(s["has_gauss"]), "gauss": float(s["gauss"])}
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    state["megatron_tracker"] = {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()}
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy as np
+        s = state["numpy"]
+        np.random.set_state({"bit_generator": s["bit_generator"], "state": {"key": s["key"].numpy().astype(np.uint32),
+                             "pos": s["pos"]}, "has_gauss": s["has_gauss"], "gauss": s["gauss"]})
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if state.get("megatron_tracker"):
+        get_cuda_rng_tracker().set_states({k: v.clone() for k, v in state["megatron_tracker"].items()})
+
+
+def rank_seed(seed: int, step: int, rank: int) -> int:
+    """A per-rank seed that depends on (seed, step, rank) only (stable across Python versions)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{step}:{rank}".encode()).digest()[:4], "little")
+
+
+def reseed_rng(seed: int, step: int, rank: int) -> None:
+    """Deterministic fresh RNG streams after a layout change, where saved per-rank streams have no
+    meaning: Python and NumPy from (seed, step, rank); torch and megatron's tracker as a fresh
+    start with seed + step does it (the same on all ranks, the tracker offset per TP rank)."""
+    from megatron.core import tensor_parallel
+
+    r = rank_seed(seed, step, rank)
+    random.seed(r)
+    try:
+        import numpy as np
+        np.random.seed(r)
+    except ImportError:
+        pass
+    torch.manual_seed(r)
+    tensor_parallel.model_parallel_cuda_manual_seed((seed + step) % (2**31))
+
+
+def write_rng(ckpt_dir: str | Path, rank: int, world_size: int, state: dict[str, Any]) -> list[FileRecord]:
+    root = Path(ckpt_dir)
+    d = root / "rng"
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"rank{rank}.pt"
+    torch.save({"world_size": world_size, "rank": rank, "state": state}, path)
+    fsync_file(path)
+    fsync_dir(d)
+    return [file_record(path, root)]
+
+
+# reading a saved role --------------------------------------------------------------------------
+def _unit_of(name: str) -> str:
+    """Which conversion unit a Megatron parameter belongs to: embedding, layer.<i>, final."""
+    if name.startswith("embedding."):
+        return "embedding"
+    m = _LAYER_RE.match(name)
+    if m:
+        return f"layer.{m.group(1)}"
+    if name.startswith(("decoder.final_layernorm.", "output_layer.")):
+        return "final"
+    raise ValueError(f"{name}: a parameter the checkpoint converter does not know")
+
+
+class SavedRole:
+    """Lazy reader of one role's saved TP x PP shard files (safetensors are opened lazily and read
+    tensor by tensor), able to hand out HF-named full tensors of any per-element kind."""
+
+    def __init__(self, role_dir: str | Path) -> None:
+        self.dir = Path(role_dir)
+        first = self.dir / f"{shard_stem(0, 0)}.json"
+        if not first.is_file():
+            raise FileNotFoundError(f"{self.dir}: no {first.name}; is this a role folder of an hpcrl checkpoint?")
+        self.meta0 = json.loads(first.read_text())
+        if self.meta0.get("format") != SHARD_FORMAT:
+            raise ValueError(f"{first}: not an {SHARD_FORMAT} shard")
+        lay = self.meta0["layout"]
+        self.tp, self.pp = int(lay["tp"]), int(lay["pp"])
+        self.arch = ModelArch(**self.meta0["arch"])
+        self.spec = self.meta0["spec"]
+        self.value_head = bool(self.meta0["value_head"])
+        self._metas: dict[tuple[int, int], dict[str, Any]] = {(0, 0): self.meta0}
+        self._handles: dict[tuple[int, int], Any] = {}
+        self._cache: tuple[tuple[str, int, str], dict[str, torch.Tensor]] | None = None
+
+    def meta(self, pp: int, tp: int) -> dict[str, Any]:
+        if (pp, tp) not in self._metas:
+            self._metas[(pp, tp)] = json.loads((self.dir / f"{shard_stem(pp, tp)}.json").read_text())
+        return self._metas[(pp, tp)]
+
+    def tensor(self, pp: int, tp: int, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if (pp, tp) not in self._handles:
+            self._handles[(pp, tp)] = safe_open(str(self.dir / f"{shard_stem(pp, tp)}.safetensors"), framework="pt")
+        return self._handles[(pp, tp)].get_tensor(key)
+
+    def kinds(self) -> list[str]:
+        """The per-element tensor kinds saved for every parameter: param, master, exp_avg, ..."""
+        out = [PARAM] + ([MASTER] if self.meta0["master"] else [])
+        opt = self.meta0.get("optimizer")
+        return out + (list(opt["per_element"]) if opt else [])
+
+    def units(self, pp: int) -> list[str]:
+        """The conversion units of stage `pp`, in model order."""
+        seen: dict[str, None] = {}
+        for n in self.meta(pp, 0)["params"]:
+            seen.setdefault(_unit_of(n), None)
+        order = {"embedding": -1, "final": 1 << 30}
+        return sorted(seen, key=lambda u: order.get(u, int(u.split(".")[1]) if u.startswith("layer.") else 0))
+
+    def unit_hf(self, kind: str, pp: int, unit: str) -> dict[str, torch.Tensor]:
+        """HF-named full tensors of one unit of stage `pp` (the critic's value head left out)."""
+        if self._cache is not None and self._cache[0] == (kind, pp, unit):
+            return self._cache[1]
+        names = [n for n in self.meta(pp, 0)["params"] if _unit_of(n) == unit
+                 and not (self.value_head and n.startswith("output_layer."))]
+        shards = [{n: self.tensor(pp, t, f"{kind}{SEP}{n}") for n in names} for t in range(self.tp)]
+        for vocab_name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            if vocab_name in shards[0]:
+                full_rows = sum(s[vocab_name].shape[0] for s in shards)
+                if full_rows > self.arch.vocab_size:
+                    pad = torch.cat([s[vocab_name] for s in shards])[self.arch.vocab_size:]
+                    if pad.abs().max() > 0:
+                        log.warning("%s %s: the vocab padding rows are not zero; a layout change drops them",
+                                    kind, vocab_name)
+        out = megatron_to_hf_partial(self.arch, shards, pp, self.pp, self.spec)
+        self._cache = ((kind, pp, unit), out)
+        return out
+
+    def hf_getter(self, kind: str) -> Callable[[str], torch.Tensor]:
+        """get(hf_name) -> the full tensor of that kind: what `hf_to_megatron` reads from."""
+        per = self.arch.num_layers // self.pp
+
+        def get(hf_name: str) -> torch.Tensor:
+            if hf_name == "model.embed_tokens.weight":
+                pp, unit = 0, "embedding"
+            elif hf_name in ("model.norm.weight", "lm_head.weight"):
+                pp, unit = self.pp - 1, "final"
+            else:
+                m = _HF_LAYER_RE.match(hf_name)
+                if not m:
+                    raise KeyError(f"{hf_name}: not a tensor of this model")
+                layer = int(m.group(1))
+                pp, unit = layer // per, f"layer.{layer - layer_range(self.arch, layer // per, self.pp).start}"
+            return self.unit_hf(kind, pp, unit)[hf_name]
+
+        return get
+
+    def value_head_tensors(self, kind: str) -> dict[str, torch.Tensor]:
+        """The critic's value head (replicated over TP: TP rank 0's copy of the last stage)."""
+        last = self.pp - 1
+        return {n: self.tensor(last, 0, f"{kind}{SEP}{n}") for n in self.meta(last, 0)["params"]
+                if n.startswith("output_layer.")}
+
+
+def _same_layout(engine: Any, meta: dict[str, Any] | None, names: list[str]) -> bool:
+    if meta is None:
+        return False
+    lay = meta["layout"]
+    return (lay["tp"] == engine.tp_size and lay["pp"] == engine.pp_size and meta["spec"] == engine.spec
+            and meta["dtype"] == _dtype_name(engine.options.dtype) and meta["params"] == names
+            and bool(meta["value_head"]) == bool(engine.value_head))
+
+
+def converted_tensors(engine: Any, saved: SavedRole) -> dict[str, torch.Tensor]:
+    """This rank's tensors (`kind::name`, as a shard file holds them) rebuilt from a save made in
+    another layout, spec or dtype."""
+    names = [n for n, _ in engine.model.named_parameters()]
+    kinds = saved.kinds()
+    cur_dtype = engine.options.dtype
+    saved_dtype = getattr(torch, saved.meta0["dtype"])
+    # weights: the saved weights, or the fp32 masters when the dtype changes (more precise);
+    # a new master copy: the saved master, or the saved (fp32) weights
+    sources = {PARAM: MASTER if cur_dtype != saved_dtype and MASTER in kinds else PARAM}
+    if engine.master is not None:
+        sources[MASTER] = MASTER if MASTER in kinds else PARAM
+    opt = saved.meta0.get("optimizer")
+    if engine.optimizer is not None and opt:
+        sources.update({k: k for k in opt["per_element"]})
+    out: dict[str, torch.Tensor] = {}
+    for kind, src in sources.items():
+        shard = hf_to_megatron(saved.arch, saved.hf_getter(src), engine.tp_rank, engine.tp_size, engine.pp_rank,
+                               engine.pp_size, engine.spec, lm_head=not engine.value_head)
+        if engine.value_head and engine.model.post_process:
+            shard.update(saved.value_head_tensors(src))
+        missing, extra = set(names) - shard.keys(), shard.keys() - set(names)
+        if missing or extra:
+            raise RuntimeError(f"converted {kind} shard does not fit the model: missing {sorted(missing)[:5]}, "
+                               f"unexpected {sorted(extra)[:5]}")
+        # compact private copies: a slice may be a view into a full-size tensor of the reader, and
+        # optimizer state must not alias anything (it is updated in place)
+        out.update({f"{kind}{SEP}{n}": t.clone() for n, t in shard.items()})
+    if engine.optimizer is not None and opt:
+        for k in opt["scalar"]:
+            if k != "step" or opt["step"] is None:
+                raise NotImplementedError(f"optimizer state {k!r} cannot be moved to another layout")
+            for n in names:
+                out[f"step{SEP}{n}"] = torch.tensor(opt["step"], dtype=getattr(torch, opt["step_dtype"]))
+    return out
+
+
+def apply_state(engine: Any, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    """Put weights, masters, optimizer state and step_count into the engine (byte copies when the
+    dtypes agree)."""
+    named = list(engine.model.named_parameters())
+    with torch.no_grad():
+        for n, p in named:
+            p.copy_(tensors[f"{PARAM}{SEP}{n}"])
+        if engine.master is not None:
+            for (n, _), m in zip(named, engine.master):
+                m.copy_(tensors[f"{MASTER}{SEP}{n}"])
+    opt = meta.get("optimizer")
+    if engine.optimizer is not None:
+        engine.optimizer.state.clear()
+        if opt:
+            group = engine.optimizer.param_groups[0]
+            for (n, _), q in zip(named, group["params"]):
+                state: dict[str, Any] = {}
+                for k in [*opt["per_element"], *opt["scalar"]]:
+                    t = tensors.get(f"{k}{SEP}{n}")
+                    if t is not None:
+                        state[k] = t.to(q.device) if t.dim() > 0 else t.clone()
+                state.update(opt["other"].get(n, {}))
+                if state:
+                    engine.optimizer.state[q] = state
+            for k, v in opt["param_groups"][0].items():
+                group[k] = tuple(v) if k == "betas" else v
+    engine.step_count = int(meta["step_count"])
+
+
+def _config_seed(ckpt_dir: Path) -> int:
+    """trainer.seed of the run, from the checkpoint's config.yaml (0 when there is none)."""
+    try:
+        import yaml
+        cfg = yaml.safe_load((ckpt_dir / "config.yaml").read_text())
+        return int(cfg["trainer"]["seed"])
+    except (OSError, KeyError, TypeError, ValueError):
+        return 0
+
+
+def load_engine(engine: Any, ckpt_dir: str | Path, role: str, rank: int, world_size: int,
+                seed: int | None = None) -> dict[str, Any]:
+    """Load `role`'s saved state into this rank's engine: its own file byte for byte when the
+    layout is the one saved, else converted. Then the RNG states (restored in the same layout and
+    world, reseeded otherwise). Returns a summary."""
+    from safetensors.torch import load_file
+
+    t0 = time.monotonic()
+    root = Path(ckpt_dir)
+    saved = SavedRole(root / role)
+    cur_arch = asdict(engine.arch)
+    if saved.meta0["arch"] != cur_arch:
+        diff = {k: (saved.meta0["arch"].get(k), v) for k, v in cur_arch.items() if saved.meta0["arch"].get(k) != v}
+        raise ValueError(f"{root / role}: saved from another model (saved vs current: {diff})")
+    names = [n for n, _ in engine.model.named_parameters()]
+    own = root / role / f"{shard_stem(engine.pp_rank, engine.tp_rank)}.json"
+    own_meta = json.loads(own.read_text()) if own.is_file() else None
+    exact = _same_layout(engine, own_meta, names)
+    if exact:
+        tensors = load_file(str(own.with_suffix(".safetensors")))
+        apply_state(engine, tensors, own_meta)
+    else:
+        apply_state(engine, converted_tensors(engine, saved), saved.meta0)
+    rng_file = root / "rng" / f"rank{rank}.pt"
+    rng = "reseeded"
+    if exact and rng_file.is_file():
+        blob = torch.load(rng_file, weights_only=True)
+        if blob["world_size"] == world_size:
+            restore_rng(blob["state"])
+            rng = "restored"
+    if rng == "reseeded":
+        reseed_rng(_config_seed(root) if seed is None else seed, engine.step_count, rank)
+    lay = saved.meta0["layout"]
+    return {"role": role, "step_count": engine.step_count, "converted": not exact, "rng": rng,
+            "saved_layout": {"tp": lay["tp"], "pp": lay["pp"], "dp": lay["dp"]},
+            "layout": {"tp": engine.tp_size, "pp": engine.pp_size, "dp": engine.dp_size},
+            "seconds": round(time.monotonic() - t0, 3)}
+
+
+# the role's save / wait / load -----------------------------------------------------------------
+class RoleCheckpointer:
+    """Save and load of one MegatronRole's engine on one rank, with an optional background write.
+
+    An async save snapshots everything to private CPU copies synchronously (the next step may
+    then update the live tensors) and writes in a thread; `wait` returns the records. A new save
+    or a load first waits for a write still in flight."""
+
+    def __init__(self, engine: Any, role: str, model_path: str) -> None:
+        self.engine = engine
+        self.role = role
+        self.model_path = model_path
+        self._thread: threading.Thread | None = None
+        self._records: list[FileRecord] = []
+        self._error: BaseException | None = None
+
+    @staticmethod
+    def _rank() -> tuple[int, int]:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+
+    def save(self, ckpt_dir: str, async_save: bool = False) -> list[FileRecord]:
+        """Write this rank's files (shard on DP replica 0, RNG on every rank); their records, or []
+        for an async save (collect them with `wait`)."""
+        self.wait()
+        rank, world = self._rank()
+        shard = engine_state(self.engine, self.role, self.model_path, copy=async_save) \
+            if self.engine.dp_rank == 0 else None
+        key = str(Path(ckpt_dir).resolve())
+        rng = None
+        if key not in _rng_written:
+            rng = capture_rng()
+            _rng_written.add(key)
+
+        def job() -> list[FileRecord]:
+            records: list[FileRecord] = []
+            if shard is not None:
+                records += write_shard(shard, ckpt_dir, self.role)
+            if rng is not None:
+                records += write_rng(ckpt_dir, rank, world, rng)
+            return records
+
+        if not async_save:
+            return job()
+
+        def run() -> None:
+            try:
+                self._records = job()
+            except BaseException as e:  # handed to the controller by wait()
+                self._error = e
+
+        self._records, self._error = [], None
+        self._thread = threading.Thread(target=run, name=f"hpcrl-ckpt-{self.role}", daemon=False)
+        self._thread.start()
+        return []
+
+    def wait(self) -> list[FileRecord]:
+        """Records of the async save in flight (after it finished); [] when there is none."""
+        if self._thread is None:
+            return []
+        self._thread.join()
+        self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"async checkpoint write of {self.role} failed: {err!r}") from err
+        records, self._records = self._records, []
+        return records
+
+    def load(self, ckpt_dir: str, seed: int | None = None) -> dict[str, Any]:
+        self.wait()
+        rank, world = self._rank()
+        return load_engine(self.engine, ckpt_dir, self.role, rank, world, seed)

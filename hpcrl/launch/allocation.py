@@ -1,0 +1,238 @@
+"""Inside a Slurm allocation: start one hpcrl MPI world over both het groups and stay its parent.
+
+Runs as the batch script's process on the first node of het group 0 (`launchers/slurm_entry.py`,
+which `sbatch/*.sh` exec, or the function `hpcrl submit` hands to submitit). It
+
+1. checks that the job is a two-component hetjob (group 0: the controller, group 1: the workers),
+2. for a config-driven program: loads CONFIG + overrides, makes `trainer.nnodes` / `trainer.workers_per_node`
+   match what Slurm actually allocated to group 1, pins `trainer.run_dir` to an absolute path, validates,
+3. exports `HPCRL_RUN_DIR` (what the resume logic needs besides `SLURM_RESTART_COUNT`, which Slurm sets),
+   records the job in the job registry and in `{run_dir}/slurm/job.json`,
+4. runs `srun --mpi=pmi2 --het-group=0,1 python launchers/hpcrl_entry.py TARGET ARGS...` as a child and
+   forwards USR1 and TERM to it; srun relays them to every task.
+
+Why forward: `#SBATCH --signal=B:USR1@N` (the "save and requeue now" warning) is delivered to the batch
+shell only, and a batch process that does not handle USR1 dies of it. The controller (rank 0) saves at the
+next step boundary, runs `scontrol requeue` and exits 0; workers ignore both signals. The wait for srun
+restarts after every handled signal (PEP 475), so the launcher stays until srun is done.
+Every command line here is an argv list: no shell ever sees a run name or a path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from types import FrameType
+from typing import Any
+
+from hpcrl.launch.commands import entry_argv, srun_het_command
+
+TRAINER_TARGET = "hpcrl.trainer.main:main"
+FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+
+
+class AllocationError(RuntimeError):
+    """The allocation cannot run this program (wrong shape, bad config, or the program failed)."""
+
+
+def override(key: str, value: Any) -> str:
+    """A `KEY=VALUE` override whose value survives YAML parsing verbatim.
+
+    Why: overrides are parsed as YAML, so a path with `: `, ` #`, brackets or a leading quote would
+    change meaning; a JSON string is a YAML double-quoted scalar. (`${...}` stays OmegaConf
+    interpolation, as everywhere in a config.)
+    """
+    return f"{key}={json.dumps(value)}"
+
+
+def het_worker_shape(env: Mapping[str, str]) -> tuple[int, int]:
+    """(nodes, tasks per node) of het group 1, the workers; refuses anything but a 2-component hetjob."""
+    if env.get("SLURM_HET_SIZE") != "2":
+        raise AllocationError(
+            f"not inside a two-component heterogeneous job (SLURM_HET_SIZE={env.get('SLURM_HET_SIZE', 'unset')}): "
+            "hpcrl needs het group 0 = the controller (1 task) and het group 1 = the workers. Submit with "
+            "`hpcrl submit`, or use an sbatch script with one `#SBATCH hetjob` line (see sbatch/grpo_tiny.sh).")
+    try:
+        nodes = int(env["SLURM_JOB_NUM_NODES_HET_GROUP_1"])
+        tasks = int(env["SLURM_NTASKS_HET_GROUP_1"])
+    except (KeyError, ValueError) as e:
+        raise AllocationError(f"cannot read the worker group's size from the environment: {e}") from None
+    if env.get("SLURM_NTASKS_HET_GROUP_0", "1") != "1":
+        raise AllocationError(f"het group 0 must have exactly one task (the controller), it has "
+                              f"{env.get('SLURM_NTASKS_HET_GROUP_0')}")
+    if nodes <= 0 or tasks % nodes:
+        raise AllocationError(f"het group 1 has {tasks} task(s) on {nodes} node(s): hpcrl needs the same number "
+                              "of workers on every node (use --ntasks-per-node)")
+    return nodes, tasks // nodes
+
+
+def resolve_config_args(config: str, overrides: Sequence[str], env: Mapping[str, str],
+                        cwd: str | None = None, check_paths: bool = True) -> tuple[list[str], Any]:
+    """Final `[CONFIG, *overrides]` for the program and the validated config they load to.
+
+    The allocation is the truth: when the config's `trainer.nnodes` / `trainer.workers_per_node` differ from
+    het group 1, the allocation's values are appended as overrides (with a note); when the user set them
+    explicitly on the command line to something else, that is an error naming the key (exit 2).
+    A relative `trainer.run_dir` is resolved against `cwd` (the submit directory) and pinned.
+    """
+    from hpcrl.config import ConfigError, load_config, parse_overrides, validate
+
+    nodes, per_node = het_worker_shape(env)
+    explicit = {key for key, _, _ in parse_overrides(overrides)}
+    cfg = load_config(config, overrides)
+    extra: list[str] = []
+    problems = []
+    for key, have, want in (("trainer.nnodes", cfg.trainer.nnodes, nodes),
+                            ("trainer.workers_per_node", cfg.trainer.workers_per_node, per_node)):
+        if have == want:
+            continue
+        if key in explicit:
+            problems.append(f"{key}={have}: the allocation's worker group (het group 1) has {nodes} node(s) x "
+                            f"{per_node} task(s), so {key} must be {want}. Change the override or the sbatch "
+                            "options (e.g. `sbatch ... : --nodes=N --ntasks-per-node=W SCRIPT`).")
+        else:
+            print(f"[hpcrl slurm] {key}={have} in the config; the allocation has {want}: using {key}={want}",
+                  file=sys.stderr, flush=True)
+            extra.append(f"{key}={want}")
+    if problems:
+        raise ConfigError(problems)
+    run_dir = str(cfg.trainer.run_dir)
+    if not os.path.isabs(run_dir):
+        extra.append(override("trainer.run_dir", os.path.abspath(os.path.join(cwd or os.getcwd(), run_dir))))
+    final = [*overrides, *extra]
+    cfg = load_config(config, final)
+    validate(cfg, check_paths=check_paths)
+    return [config, *final], cfg
+
+
+def _scontrol_paths(job_id: str) -> dict[str, str]:
+    """StdOut/StdErr of the job as Slurm resolved them (for job.json and `hpcrl status`); best effort."""
+    try:
+        r = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    first = r.stdout.splitlines()[0] if r.returncode == 0 and r.stdout.strip() else ""
+    out = {}
+    for key in ("StdOut", "StdErr"):
+        # values may contain spaces; each is followed by the next ` Key=` field or the end of the line
+        m = re.search(rf"\b{key}=(.*?)(?= [A-Za-z]+=|$)", first)
+        if m:
+            out[key.lower()] = m.group(1)
+    return out
+
+
+def write_json_atomic(path: str, data: Mapping[str, Any]) -> None:
+    """Write-then-rename, so a reader (`hpcrl status`) never sees half a file."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def record_job(run_dir: str, env: Mapping[str, str], argv: Sequence[str]) -> None:
+    """Registry line + `{run_dir}/slurm/job.json`, so `hpcrl status JOB` also finds plain sbatch runs."""
+    from hpcrl.launch.jobs import register_job
+
+    job_id = env.get("SLURM_JOB_ID", "")
+    if not job_id:
+        return
+    register_job(job_id, run_dir)
+    folder = os.path.join(run_dir, "slurm")
+    os.makedirs(folder, exist_ok=True)
+    info: dict[str, Any] = {}
+    try:
+        with open(os.path.join(folder, "job.json"), encoding="utf-8") as f:
+            info = json.load(f)
+    except (OSError, ValueError):
+        info = {}
+    if str(info.get("job_id")) != job_id:  # a new job for this run dir: keep nothing of the old one's
+        info = {"job_id": job_id, "run_dir": run_dir}
+        info.update(_scontrol_paths(job_id))
+    info.update({"restart_count": int(env.get("SLURM_RESTART_COUNT", "0") or 0), "started_at": time.time(),
+                 "submit_dir": env.get("SLURM_SUBMIT_DIR", ""), "argv": list(argv),
+                 "controller_node": env.get("SLURMD_NODENAME", ""),
+                 "worker_nodes": env.get("SLURM_JOB_NODELIST_HET_GROUP_1", "")})
+    try:
+        write_json_atomic(os.path.join(folder, "job.json"), info)
+    except OSError as e:
+        print(f"[hpcrl slurm] warning: cannot write {folder}/job.json: {e}", file=sys.stderr, flush=True)
+
+
+def run_srun(argv: Sequence[str], env: Mapping[str, str]) -> int:
+    """Run srun as a child, forward USR1/TERM to it, wait until it exits; its exit status (128+N if killed)."""
+    proc = subprocess.Popen(list(argv), env=dict(env))
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        if proc.poll() is None:
+            try:
+                os.kill(proc.pid, signum)
+            except ProcessLookupError:
+                pass
+        print(f"[hpcrl slurm] got {signal.Signals(signum).name}: forwarded to srun (pid {proc.pid})",
+              file=sys.stderr, flush=True)
+
+    previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
+    try:
+        rc = proc.wait()  # retried after each handled signal (PEP 475): we wait until srun is done
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - rc if rc < 0 else rc
+
+
+def launch(target: str, program_args: Sequence[str], *, config_args: bool = True,
+           env: Mapping[str, str] | None = None, python: str | None = None, srun_extra: Sequence[str] = ()) -> int:
+    """Everything the module docstring lists; returns srun's exit status.
+
+    `config_args=True`: program_args are `CONFIG [KEY=VALUE ...]` (the trainer and other config-driven
+    controller programs); False: passed through untouched (e.g. launchers/check_world.py OUT.json).
+    """
+    base_env = dict(os.environ if env is None else env)
+    het_worker_shape(base_env)  # fail early and clearly outside a hetjob
+    args = list(program_args)
+    run_env = dict(base_env)
+    if config_args:
+        if not args:
+            raise AllocationError("no CONFIG given: usage: slurm_entry.py [--target T] CONFIG [KEY=VALUE ...]")
+        args, cfg = resolve_config_args(args[0], args[1:], base_env)
+        run_dir = str(cfg.trainer.run_dir)
+        os.makedirs(run_dir, exist_ok=True)
+        run_env["HPCRL_RUN_DIR"] = run_dir
+        run_env.setdefault("OMP_NUM_THREADS", str(cfg.slurm.cpus_per_worker))
+        if cfg.slurm.mpi != "pmi2":
+            srun_extra = [f"--mpi={cfg.slurm.mpi}", *srun_extra]
+        record_job(run_dir, base_env, [target, *args])
+    run_env.setdefault("PYTHONUNBUFFERED", "1")  # ranks' lines reach the job log as they happen
+    cmd = srun_het_command(entry_argv(target, args, python=python), extra=srun_extra)
+    print(f"[hpcrl slurm] job {base_env.get('SLURM_JOB_ID', '?')} restart {base_env.get('SLURM_RESTART_COUNT', '0')}"
+          f": {shlex.join(cmd)}", file=sys.stderr, flush=True)
+    rc = run_srun(cmd, run_env)
+    print(f"[hpcrl slurm] srun exited with status {rc}", file=sys.stderr, flush=True)
+    return rc
+
+
+def submitit_entry(target: str, program_args: list[str], config_args: bool = True) -> int:
+    """What `hpcrl submit` pickles for submitit: launch() that raises on failure.
+
+    Why raise: submitit records a returned value as success and the batch script then exits 0, so Slurm
+    would show COMPLETED for a failed run. Raising makes submitit store the error and exit non-zero.
+    """
+    from hpcrl.config import ConfigError
+
+    try:
+        rc = launch(target, program_args, config_args=config_args)
+    except ConfigError as e:
+        msg = "invalid config in the allocation:\n" + "\n".join(f"  - {p}" for p in e.problems)
+        print(f"[hpcrl slurm] {msg}", file=sys.stderr, flush=True)
+        raise AllocationError(msg) from None
+    if rc != 0:
+        raise AllocationError(f"srun exited with status {rc}; see the job log above for the ranks' output")
+    return rc

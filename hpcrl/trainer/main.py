@@ -1,0 +1,189 @@
+"""The training program: what `hpcrl run`, `hpcrl submit` and the sbatch scripts start on every rank.
+
+    python launchers/hpcrl_entry.py hpcrl.trainer.main:main CONFIG [key=value ...]
+
+Rank 0 runs `main` (the controller); the other ranks serve the worker groups it creates. The run
+resumes by itself from the latest valid checkpoint of its run directory (checkpoint.resume=auto),
+so the same command line starts a run, restarts it after a requeue, or continues it later.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from hpcrl.trainer.preemption import ignore_on_workers
+
+log = logging.getLogger("hpcrl.trainer")
+
+# Every rank imports this module before the runtime starts (see launchers/hpcrl_entry.py).
+ignore_on_workers()
+
+
+class Checkpointer:
+    """Saves and restores everything a run needs: the roles' Megatron state (written by the
+    workers), the sampler position, the KL controller, step and metrics cursor (controller)."""
+
+    def __init__(self, cfg: DictConfig, trainer: Any, metrics: Any):
+        from hpcrl.checkpoint.store import CheckpointStore
+
+        c = cfg.checkpoint
+        self.cfg = cfg
+        self.trainer = trainer
+        self.metrics = metrics
+        self.store = CheckpointStore(Path(c.dir), keep_last=c.keep_last, keep_every=c.keep_every)
+        self.async_save = bool(c.async_save)
+        self.pending: tuple[Path, int, dict[str, Any]] | None = None
+
+    def controller_state(self) -> dict[str, Any]:
+        t = self.trainer
+        return {"step": t.step, "sampler": t.sampler.state_dict(), "kl_ctrl": t.kl_ctrl.state_dict(),
+                "metrics_cursor": self.metrics.cursor(), "saved_at": time.time()}
+
+    def save(self, wait: bool = False) -> None:
+        """Checkpoint the current step. With async_save the workers write in the background while
+        the next step runs; the commit happens at the next `finish_pending` (or now if `wait`)."""
+        from hpcrl.config import to_yaml
+
+        self.finish_pending()
+        step = self.trainer.step
+        tmp = self.store.begin(step)
+        t = time.perf_counter()
+        asynchronous = self.async_save and not wait
+        records: list[Any] = []
+        for group in self.trainer.trained_groups():
+            records += [r for rank in group.save_checkpoint(str(tmp), async_save=asynchronous) for r in rank or []]
+        state = self.controller_state()
+        if asynchronous:
+            self.pending = (tmp, step, state)
+            log.info("checkpoint of step %d: state snapshotted in %.1f s, writing in the background", step,
+                     time.perf_counter() - t)
+            return
+        path = self.store.commit(tmp, step, records, state, to_yaml(self.cfg))
+        log.info("checkpoint of step %d saved to %s in %.1f s", step, path, time.perf_counter() - t)
+
+    def finish_pending(self) -> None:
+        """Wait for a background save and commit it."""
+        from hpcrl.config import to_yaml
+
+        if self.pending is None:
+            return
+        tmp, step, state = self.pending
+        self.pending = None
+        t = time.perf_counter()
+        records = [r for group in self.trainer.trained_groups() for rank in group.wait_checkpoint() for r in rank or []]
+        path = self.store.commit(tmp, step, records, state, to_yaml(self.cfg))
+        log.info("checkpoint of step %d committed to %s (waited %.1f s)", step, path, time.perf_counter() - t)
+
+    def resume(self) -> bool:
+        """Restore the latest valid checkpoint (checkpoint.resume=auto) or a given folder."""
+        how = self.cfg.checkpoint.resume
+        if how == "never":
+            return False
+        path = self.store.latest_valid() if how == "auto" else Path(how)
+        if path is None:
+            return False
+        t = time.perf_counter()
+        state = self.store.load_controller_state(path)
+        for group in self.trainer.trained_groups():
+            group.load_checkpoint(str(path))
+        tr = self.trainer
+        tr.step = int(state["step"])
+        tr.sampler.load_state_dict(state["sampler"])
+        tr.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.metrics.truncate(int(state["metrics_cursor"]))
+        log.info("resumed from %s (step %d, sampler %s) in %.1f s", path, tr.step, state["sampler"],
+                 time.perf_counter() - t)
+        return True
+
+
+def train(cfg: DictConfig) -> int:
+    """Build the groups, resume if there is something to resume, run the remaining steps."""
+    from hpcrl.trainer.metrics import MetricsWriter, progress_line
+    from hpcrl.trainer.ppo import PPOTrainer
+    from hpcrl.trainer.preemption import StopWatch, requeue_self, under_slurm
+
+    run_dir = Path(cfg.trainer.run_dir)
+    total = int(cfg.trainer.total_steps)
+    watch = StopWatch()
+    metrics = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard)
+    trainer = PPOTrainer(cfg)
+    ckpt = Checkpointer(cfg, trainer, metrics)
+    if ckpt.resume():
+        log.info("continuing at step %d of %d", trainer.step + 1, total)
+    save_every = int(cfg.checkpoint.save_every)
+    last_step_s = 0.0
+    stopped = None
+    while trainer.step < total:
+        stopped = watch.should_stop(last_step_s)
+        if stopped:
+            break
+        step = trainer.step + 1
+        t = time.perf_counter()
+        m = trainer.train_step(step)
+        trainer.step = step
+        ckpt.finish_pending()
+        metrics.write(step, m)
+        if "val/reward_mean" in m:
+            metrics.write_validation(step - 1, {k: v for k, v in m.items() if k.startswith("val/")})
+        log.info(progress_line(step, total, m))
+        last_step_s = time.perf_counter() - t
+        stopped = watch.should_stop(last_step_s)
+        if stopped or (save_every and step % save_every == 0 and step < total):
+            ckpt.save(wait=bool(stopped))
+        if stopped:
+            break
+    if stopped:
+        ckpt.finish_pending()
+        log.warning("stopping after step %d of %d: %s; checkpoint saved", trainer.step, total, stopped)
+        requeue = under_slurm() and cfg.slurm.requeue
+        if requeue and requeue_self():
+            log.info("requeued: the job restarts and resumes from step %d", trainer.step + 1)
+        trainer.close()
+        metrics.close()
+        return 0
+    if trainer.val_data is not None:
+        trainer.actor.enter_rollout()
+        metrics.write_validation(trainer.step, trainer.validate())
+    ckpt.save(wait=True)
+    trainer.close()
+    metrics.close()
+    log.info("done: %d steps; metrics in %s, logs in %s, checkpoints in %s", total, run_dir / "metrics.jsonl",
+             Path(cfg.logging.dir), Path(cfg.checkpoint.dir))
+    return 0
+
+
+def main() -> int:
+    from hpcrl.config import ConfigError, load_config, to_yaml, validate
+    from hpcrl.trainer.metrics import setup_logging
+
+    if len(sys.argv) < 2:
+        print("usage: hpcrl_entry.py hpcrl.trainer.main:main CONFIG [key=value ...]", file=sys.stderr)
+        return 2
+    try:
+        cfg = load_config(sys.argv[1], sys.argv[2:])
+        validate(cfg)
+    except ConfigError as e:
+        print("invalid config:\n" + "\n".join(f"  - {p}" for p in e.problems), file=sys.stderr)
+        raise SystemExit(2) from None
+    run_dir = Path(cfg.trainer.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    setup_logging(Path(cfg.logging.dir) / "controller.log", cfg.logging.level)
+    restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
+    log.info("hpcrl run %s: %s (Slurm job %s, restart %s)", cfg.trainer.experiment, run_dir,
+             os.environ.get("SLURM_JOB_ID", "-"), restarts)
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    if os.environ.get("SLURM_JOB_ID"):
+        try:
+            from hpcrl.launch.jobs import register_job
+
+            register_job(os.environ.get("SLURM_HET_JOB_ID") or os.environ["SLURM_JOB_ID"], str(run_dir.resolve()))
+        except ImportError:
+            pass
+    return train(cfg)

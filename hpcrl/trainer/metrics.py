@@ -1,0 +1,117 @@
+"""Where a run's numbers go: `metrics.jsonl` (one JSON object per step), TensorBoard, the log.
+
+metrics.jsonl is the run's record that tools read (`hpcrl status`, tests, plots). It is appended
+across restarts; a resumed run first cuts it back to the checkpoint's cursor, so steps that were
+done after the last checkpoint (and are about to be redone) are not recorded twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("hpcrl")
+
+# Wall-clock quantities: they differ between otherwise identical runs.
+TIMING_PREFIXES = ("time/", "throughput/")
+
+
+def setup_logging(log_file: Path, level: str = "INFO") -> None:
+    """The controller's log: to stdout (the job's output) and appended to `log_file`."""
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S")
+    root = logging.getLogger()
+    root.setLevel(level)
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    for h in (logging.StreamHandler(sys.stdout), logging.FileHandler(log_file, mode="a")):
+        h.setFormatter(fmt)
+        root.addHandler(h)
+    for noisy in ("vllm", "transformers", "urllib3", "filelock"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _plain(v: Any) -> Any:
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+class MetricsWriter:
+    """Appends one line per step to `run_dir/metrics.jsonl` (flushed and fsynced: a preempted job
+    keeps every finished step) and mirrors scalars to TensorBoard when enabled."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool = True):
+        self.path = run_dir / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+            except ImportError:  # tensorboard is optional
+                log.warning("tensorboard is not installed; metrics go to %s only", self.path)
+
+    def cursor(self) -> int:
+        """Bytes of complete lines written so far (saved in checkpoints)."""
+        return self.path.stat().st_size if self.path.exists() else 0
+
+    def truncate(self, cursor: int) -> None:
+        """Drop lines after `cursor` (steps after the checkpoint we resume from)."""
+        if self.path.exists() and self.path.stat().st_size > cursor:
+            with open(self.path, "r+b") as f:
+                f.truncate(cursor)
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record, sort_keys=True) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        if self.tb is not None:
+            for k, v in record.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+
+    def write_validation(self, after_steps: int, val: dict[str, Any]) -> None:
+        """validation.jsonl: one record per validation, keyed by the optimizer steps done before it
+        (a resumed run may validate the same point again; readers keep the last record per key)."""
+        record = {"after_steps": after_steps, **{k.removeprefix("val/"): _plain(v) for k, v in val.items()}}
+        with open(self.path.with_name("validation.jsonl"), "a") as f:
+            f.write(json.dumps(record, sort_keys=True) + "\n")
+        if self.tb is not None:
+            for k, v in val.items():
+                self.tb.add_scalar(k if k.startswith("val/") else f"val/{k}", float(v), after_steps)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_metrics(run_dir: Path | str) -> list[dict[str, Any]]:
+    """All step records of a run (empty when it has none yet)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def progress_line(step: int, total: int, m: dict[str, Any]) -> str:
+    """One human line per step for the job output."""
+    parts = [f"step {step}/{total}"]
+    for key, label, fmt in (("reward/mean", "reward", "{:.3f}"), ("reward/acc", "acc", "{:.3f}"),
+                            ("response_length/mean", "len", "{:.1f}"), ("actor/pg_loss", "pg_loss", "{:+.4f}"),
+                            ("critic/vf_loss", "vf_loss", "{:.4f}"), ("actor/kl", "kl", "{:.4f}"),
+                            ("time/step", "time", "{:.1f}s"), ("throughput/tokens_per_s", "tok/s", "{:.0f}")):
+        if key in m:
+            parts.append(f"{label} " + fmt.format(m[key]))
+    return " | ".join(parts)

@@ -1,0 +1,310 @@
+"""The PPO family on one controller: PPO with a critic (GAE), GRPO, RLOO, REINFORCE++, ReMax, DAPO.
+
+One step, as the controller sees it (every call below runs SPMD on the worker groups)::
+
+    actor.enter_rollout()                     # trainer weights -> vLLM, in place
+    batch = generate(actor, prompts)          # n samples per prompt (+ DAPO refills)
+    scores = reward(batch)                    # rule-based / custom / reward model
+    actor.enter_training()
+    old_logprob = actor.compute_logprob(batch)
+    ref_logprob = reference.compute_logprob(batch)        # when a KL term is used
+    values = critic.compute_values(batch)                 # gae
+    advantages = estimator(scores, values, ...)
+    critic.update_critic(...); actor.update_actor(...)    # mini-batches x epochs
+
+The estimators and losses are plain functions (hpcrl.algos); the algorithms differ only in
+`algorithm.adv_estimator`, `algorithm.policy_loss` and a few switches, so one loop serves them all.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from hpcrl.algos.advantages import compute_advantages, masked_mean, token_level_rewards
+from hpcrl.algos.kl_control import make_kl_controller
+from hpcrl.algos.losses import kl_estimate
+from hpcrl.algos.sampling import groups_with_signal, overlong_penalty
+from hpcrl.config import critic_enabled, reference_enabled
+from hpcrl.controller import WorkerGroup
+from hpcrl.controller.batch import Batch
+from hpcrl.data import PromptDataset, PromptRow, ShuffledSampler, iterate_batches
+from hpcrl.engines.vllm.engine import SamplingSettings
+from hpcrl.rewards import RewardInput, RewardScorer
+from hpcrl.workers.actor_rollout import ActorRolloutRole, generate, logprob_gap
+from hpcrl.workers.batching import arrange_minibatches
+from hpcrl.workers.megatron_roles import MegatronRole
+
+log = logging.getLogger("hpcrl.trainer")
+
+
+class PhaseTimer:
+    """Wall time of each phase of a step (`time/<phase>` metrics)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - t
+
+
+def pad_concat(batches: Sequence[Batch]) -> Batch:
+    """Concatenate wire-format batches of different widths (right padding with zeros)."""
+    width = max(b["input_ids"].shape[1] for b in batches)
+    padded = []
+    for b in batches:
+        grow = width - b["input_ids"].shape[1]
+        if grow:
+            b = Batch({k: torch.nn.functional.pad(b[k], (0, grow)) if b[k].dim() == 2 else b[k] for k in b.keys()})
+        padded.append(b)
+    return Batch.concat(padded)
+
+
+class PPOTrainer:
+    """Builds the worker groups of a config and runs its training steps."""
+
+    def __init__(self, cfg: DictConfig):
+        from transformers import AutoTokenizer
+
+        self.cfg = cfg
+        self.plain: dict[str, Any] = OmegaConf.to_container(cfg, resolve=True)  # what travels to workers
+        self.algo = cfg.algorithm
+        self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+        d = cfg.data
+        self.train_data = PromptDataset(list(d.train_files), self.tokenizer, d.prompt_key, d.max_prompt_length)
+        self.val_data = (PromptDataset(list(d.val_files), self.tokenizer, d.prompt_key, d.max_prompt_length)
+                         if d.val_files and cfg.trainer.val_every else None)
+        self.sampler = ShuffledSampler(len(self.train_data), d.train_batch_size, d.seed, d.shuffle)
+        self.scorer = RewardScorer(cfg.reward.function, cfg.reward.timeout_s, cfg.reward.format_weight)
+        self.kl_ctrl = make_kl_controller(self.plain["algorithm"]["kl_ctrl"])
+        self.step = 0  # optimizer steps of the loop done so far (the step counter of checkpoints)
+
+        t = time.perf_counter()
+        log.info("building the actor + rollout group (Megatron %s, vLLM rollout TP=%d)",
+                 dict(cfg.actor.parallel), cfg.rollout.tensor_parallel)
+        self.actor = WorkerGroup(ActorRolloutRole, init_kwargs={"cfg": self.plain}, name="actor")
+        self.reference = (WorkerGroup(MegatronRole, init_kwargs={"cfg": self.plain, "role": "reference"},
+                                      name="reference") if reference_enabled(cfg) else None)
+        self.critic = (WorkerGroup(MegatronRole, init_kwargs={"cfg": self.plain, "role": "critic"}, name="critic")
+                       if critic_enabled(cfg) else None)
+        self.reward_model = None
+        if cfg.reward.model_path:
+            from hpcrl.workers.reward_model import RewardModelRole
+
+            self.reward_model = WorkerGroup(RewardModelRole, init_kwargs={"cfg": self.plain}, name="reward_model")
+        self.dp_size = self.actor.layout.dp_size
+        log.info("worker groups ready in %.1f s: %s", time.perf_counter() - t,
+                 ", ".join(g.name for g in self.groups()))
+
+    def groups(self) -> list[WorkerGroup]:
+        return [g for g in (self.actor, self.reference, self.critic, self.reward_model) if g is not None]
+
+    def trained_groups(self) -> list[WorkerGroup]:
+        """What a checkpoint must hold: the frozen reference and reward model reload from their paths."""
+        return [g for g in (self.actor, self.critic) if g is not None]
+
+    # rollout -----------------------------------------------------------------------------------
+    def _seed(self, step: int, round_: int = 0) -> int:
+        """Sampling seed of a step: per-prompt seeds derive from it, so a resumed run samples the
+        same completions as an uninterrupted one."""
+        return (int(self.cfg.trainer.seed) * 1_000_003 + step * 10_007 + round_ * 101) % (2**31 - 1)
+
+    def _responses(self, batch: Batch) -> tuple[list[list[int]], torch.Tensor]:
+        """Generated token ids of every row and their lengths."""
+        mask = batch["response_mask"].bool()
+        ids = [batch["input_ids"][i][mask[i]].tolist() for i in range(len(batch))]
+        return ids, mask.sum(-1)
+
+    def score(self, batch: Batch, rows: Sequence[PromptRow], n: int, max_new_tokens: int
+              ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Sample-level rewards [B] of a generated batch (row r answers prompt rows[r // n])."""
+        ids, lengths = self._responses(batch)
+        eos = self.tokenizer.eos_token_id
+        items = [RewardInput(data_source=rows[r // n].data_source,
+                             response=self.tokenizer.decode(t, skip_special_tokens=True),
+                             ground_truth=rows[r // n].ground_truth, extra_info=rows[r // n].extra_info,
+                             prompt=rows[r // n].prompt_text,
+                             truncated=len(t) >= max_new_tokens and (not t or t[-1] != eos))
+                 for r, t in enumerate(ids)]
+        result = self.scorer.score(items)
+        scores = torch.tensor(result.scores, dtype=torch.float32)
+        metrics = dict(result.metrics)
+        accs = [d.get("acc") for d in result.details if d.get("acc") is not None]
+        if accs:
+            metrics["reward/acc"] = float(sum(float(a) for a in accs) / len(accs))
+        if self.reward_model is not None:
+            rm = self.reward_model.compute_scores(batch)
+            metrics["reward/model_mean"] = float(rm.mean())
+            scores = scores + rm.float()
+        return scores, metrics
+
+    def _generate_group(self, rows: Sequence[PromptRow], step: int, round_: int) -> tuple[Batch, torch.Tensor,
+                                                                                          dict[str, float]]:
+        r = self.cfg.rollout
+        sampling = SamplingSettings.from_rollout_config(self.plain["rollout"], seed=self._seed(step, round_))
+        batch = generate(self.actor, [row.prompt_ids for row in rows], sampling)
+        scores, metrics = self.score(batch, rows, r.n, r.max_new_tokens)
+        return batch, scores, metrics
+
+    def rollout(self, step: int, timer: PhaseTimer) -> tuple[Batch, list[PromptRow], torch.Tensor, dict[str, float]]:
+        """Sample the step's prompts, generate and score. With DAPO dynamic sampling, groups whose
+        samples all got the same reward (no learning signal) are dropped and more prompts are
+        drawn until the batch is full again or `max_refill_rounds` is spent (then the batch is
+        topped up with dropped groups, which carry zero advantage)."""
+        n, want = self.cfg.rollout.n, self.cfg.data.train_batch_size
+        rows = [self.train_data[i] for i in self.sampler.next_batch()]
+        with timer("generate"):
+            batch, scores, metrics = self._generate_group(rows, step, 0)
+        if not self.algo.dynamic_sampling:
+            return batch, rows, scores, metrics
+        kept: list[tuple[Batch, PromptRow, torch.Tensor]] = []
+        spare: list[tuple[Batch, PromptRow, torch.Tensor]] = []
+        rounds = 0
+        while True:
+            signal = groups_with_signal(scores, torch.arange(len(rows)).repeat_interleave(n))
+            for g, row in enumerate(rows):
+                part = (batch.select(list(range(g * n, (g + 1) * n))), row, scores[g * n:(g + 1) * n])
+                (kept if signal[g * n] else spare).append(part)
+            if len(kept) >= want or rounds >= self.algo.max_refill_rounds:
+                break
+            rounds += 1
+            rows = [self.train_data[i] for i in self.sampler.next_batch()]
+            with timer("generate"):
+                batch, scores, _ = self._generate_group(rows, step, rounds)
+        metrics["dapo/groups_with_signal"] = float(len(kept))
+        metrics["dapo/refill_rounds"] = float(rounds)
+        parts = kept[:want] + spare[:max(want - len(kept), 0)]
+        batch = pad_concat([p[0] for p in parts])
+        batch["prompt_index"] = torch.arange(want).repeat_interleave(n)
+        return batch, [p[1] for p in parts], torch.cat([p[2] for p in parts]), metrics
+
+    # the step ----------------------------------------------------------------------------------
+    def train_step(self, step: int) -> dict[str, float]:
+        cfg, algo = self.cfg, self.algo
+        timer = PhaseTimer()
+        t0 = time.perf_counter()
+        metrics: dict[str, float] = {}
+        with timer("reshard"):
+            self.actor.enter_rollout()
+        if self.val_data is not None and (step - 1) % cfg.trainer.val_every == 0:
+            with timer("validate"):
+                metrics.update(self.validate())
+        batch, rows, scores, reward_metrics = self.rollout(step, timer)
+        metrics.update(reward_metrics)
+        mask = batch["response_mask"]
+        lengths = mask.sum(-1)
+        if algo.overlong_buffer > 0:
+            penalty = overlong_penalty(lengths, cfg.rollout.max_new_tokens, algo.overlong_buffer,
+                                       algo.overlong_penalty)
+            metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
+            scores = scores + penalty
+        baseline = None
+        if algo.adv_estimator == "remax":
+            with timer("generate"):
+                greedy = SamplingSettings.from_rollout_config(self.plain["rollout"], n=1, temperature=0.0)
+                gb = generate(self.actor, [row.prompt_ids for row in rows], greedy)
+                base, _ = self.score(gb, rows, 1, cfg.rollout.max_new_tokens)
+            baseline = base.repeat_interleave(cfg.rollout.n)
+            metrics["reward/greedy_baseline_mean"] = float(base.mean())
+        with timer("to_training"):
+            self.actor.enter_training()
+
+        with timer("old_logprob"):
+            batch["old_logprob"] = self.actor.compute_logprob(batch)
+        metrics.update(logprob_gap(batch["rollout_logprob"], batch["old_logprob"], mask, step))
+        if self.reference is not None:
+            with timer("ref_logprob"):
+                batch["ref_logprob"] = self.reference.compute_logprob(batch)
+        if self.critic is not None:
+            with timer("values"):
+                batch["old_values"] = self.critic.compute_values(batch)
+
+        kl = None
+        if self.reference is not None:
+            kl = kl_estimate(batch["old_logprob"], batch["ref_logprob"], algo.kl_penalty) * mask
+            metrics["actor/kl"] = float(masked_mean(kl, mask))
+        kl_coef = self.kl_ctrl.value
+        token_rewards = token_level_rewards(scores, mask, kl if algo.use_kl_in_reward else None,
+                                            kl_coef if algo.use_kl_in_reward else 0.0)
+        advantages, returns = compute_advantages(
+            algo.adv_estimator, scores=scores, group=batch["prompt_index"], mask=mask, token_rewards=token_rewards,
+            values=batch["old_values"] if self.critic is not None else None, baseline_scores=baseline,
+            gamma=algo.gamma, lam=algo.lam, norm_by_std=algo.norm_adv_by_std)
+        batch["advantages"] = advantages.float()
+        if algo.use_kl_in_reward:
+            metrics["actor/kl_coef"] = kl_coef
+            self.kl_ctrl.update(metrics["actor/kl"], n_steps=len(rows))
+
+        samples = len(batch)
+        if self.critic is not None:
+            batch["returns"] = returns.float()
+            c = cfg.critic
+            n_mb = samples // c.ppo_mini_batch_size
+            with timer("update_critic"):
+                out = self.critic.update_critic(arrange_minibatches(batch, n_mb, self.dp_size, "token-mean"),
+                                                num_minibatches=n_mb, epochs=c.ppo_epochs)
+            metrics.update({f"critic/{k}": v for k, v in out.items()})
+            metrics["critic/values_mean"] = float(masked_mean(batch["old_values"], mask))
+            metrics["critic/returns_mean"] = float(masked_mean(returns, mask))
+        a = cfg.actor
+        n_mb = samples // a.ppo_mini_batch_size
+        with timer("update_actor"):
+            out = self.actor.update_actor(arrange_minibatches(batch, n_mb, self.dp_size, a.loss_agg_mode),
+                                          num_minibatches=n_mb, epochs=a.ppo_epochs)
+        metrics.update({f"actor/{k}": v for k, v in out.items()})
+
+        step_s = time.perf_counter() - t0
+        resp_tokens = float(lengths.sum())
+        all_tokens = float(batch["attention_mask"].sum())
+        metrics.update({
+            "reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if samples > 1 else 0.0,
+            "advantages/mean": float(masked_mean(advantages, mask)),
+            "response_length/mean": float(lengths.float().mean()), "response_length/max": float(lengths.max()),
+            "response_length/clip_ratio": float((lengths >= cfg.rollout.max_new_tokens).float().mean()),
+            "prompt_length/mean": float((batch["attention_mask"].sum(-1) - lengths).float().mean()),
+            "data/epoch": float(self.sampler.state_dict()["epoch"]),
+            "time/step": step_s, "throughput/tokens_per_s": all_tokens / step_s,
+            "throughput/response_tokens_per_s": resp_tokens / step_s,
+            **{f"time/{k}": v for k, v in timer.seconds.items()},
+        })
+        return metrics
+
+    # validation --------------------------------------------------------------------------------
+    def validate(self) -> dict[str, float]:
+        """Greedy answers on the validation prompts (weights must be in the rollout engines):
+        accuracy and mean reward, also per data source."""
+        assert self.val_data is not None
+        cfg = self.cfg
+        greedy = SamplingSettings.from_rollout_config(self.plain["rollout"], n=1, temperature=0.0)
+        limit = cfg.data.val_max_samples or len(self.val_data)
+        scores, accs, sources = [], [], []
+        for idx in iterate_batches(range(min(limit, len(self.val_data))), cfg.data.val_batch_size):
+            rows = [self.val_data[i] for i in idx]
+            batch = generate(self.actor, [row.prompt_ids for row in rows], greedy)
+            s, m = self.score(batch, rows, 1, cfg.rollout.max_new_tokens)
+            scores.append(s)
+            accs.append(m.get("reward/acc", float("nan")) * len(rows))
+            sources += [row.data_source for row in rows]
+        all_scores = torch.cat(scores)
+        out = {"val/reward_mean": float(all_scores.mean()), "val/samples": float(len(all_scores))}
+        if all(a == a for a in accs):  # no NaN: the scorer reported accuracy
+            out["val/acc"] = sum(accs) / len(all_scores)
+        log.info("validation after %d step(s): %s", self.step,
+                 ", ".join(f"{k} {v:.4f}" for k, v in out.items()))
+        return out
+
+    def close(self) -> None:
+        self.scorer.close()
+        self.actor.close_rollout()

@@ -1,0 +1,54 @@
+"""Reward functions for tests/test_rewards.py, loaded by the scorer as `reward_fns:<name>` (tests/ is on
+sys.path under pytest, and the scorer hands its sys.path to the workers).
+
+`mixed` picks a behaviour by data_source so one batch can hold good, failing and hanging samples.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+NOT_A_FUNCTION = 42
+
+
+def exact_match(data_source, solution_str, ground_truth, extra_info=None):
+    return 1.0 if solution_str.strip() == ground_truth.strip() else 0.0
+
+
+def raises(data_source, solution_str, ground_truth, extra_info=None):
+    raise RuntimeError(f"cannot score {solution_str!r}")
+
+
+def sleeps(data_source, solution_str, ground_truth, extra_info=None):
+    time.sleep(float((extra_info or {}).get("sleep_s", 60)))
+    return 1.0
+
+
+def with_metrics(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": 0.5 + len(solution_str), "acc": 1.0, "length": len(solution_str), "note": "ignored"}
+
+
+def environment(data_source, solution_str, ground_truth, extra_info=None):
+    """What the worker process looks like from inside: its pid, whether torch or mpi4py got imported,
+    and whether an MPI/PMI variable leaked in."""
+    return {"score": 0.0, "pid": os.getpid(), "torch": "torch" in sys.modules, "mpi4py": "mpi4py" in sys.modules,
+            "pmi_leaked": "PMI_RANK" in os.environ, "omp_threads": float(os.environ.get("OMP_NUM_THREADS", "0"))}
+
+
+def bad_return(data_source, solution_str, ground_truth, extra_info=None):
+    return {"score": "high"} if data_source == "str" else (None if data_source == "none" else float("nan"))
+
+
+def dies(data_source, solution_str, ground_truth, extra_info=None):
+    os._exit(3)
+
+
+def mixed(data_source, solution_str, ground_truth, extra_info=None):
+    return {"good": exact_match, "raise": raises, "sleep": sleeps, "dict": with_metrics,
+            "die": dies}[data_source](data_source, solution_str, ground_truth, extra_info)
+
+
+def two_args(data_source, solution_str):
+    return 0.0

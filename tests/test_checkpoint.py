@@ -1,0 +1,396 @@
+"""Checkpoint store (controller side), its CLI, and the offline layout conversion / HF export.
+
+No MPI world here: the store is plain files, and the kill -9 tests SIGKILL a real save
+(tests/programs/ckpt_slow_save.py writing and committing a 64 MB shard) at chosen moments.
+The Megatron roles' save/load in a real world are in tests/test_checkpoint_world.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import subprocess
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import PYTHON, REPO, run
+
+from hpcrl.checkpoint import CheckpointError, CheckpointStore
+from hpcrl.checkpoint.files import file_record, write_durable
+from hpcrl.checkpoint.store import LATEST, MANIFEST
+
+SLOW_SAVE = str(REPO / "tests" / "programs" / "ckpt_slow_save.py")
+BIG_MB = 64
+
+
+def save(store: CheckpointStore, step: int, payload: bytes = b"w" * 1000) -> Path:
+    """A small but complete save: one 'worker' shard and an RNG file, committed."""
+    tmp = store.begin(step)
+    (tmp / "actor").mkdir()
+    (tmp / "rng").mkdir()
+    write_durable(tmp / "actor" / "pp0_tp0.safetensors", payload)
+    write_durable(tmp / "rng" / "rank0.pt", b"rng" * 10)
+    records = [[file_record(tmp / "actor" / "pp0_tp0.safetensors", tmp), file_record(tmp / "rng" / "rank0.pt", tmp)],
+               None]
+    return store.commit(tmp, step, records, {"step": step, "kl": 0.1}, "trainer:\n  seed: 1\n")
+
+
+def steps(store: CheckpointStore) -> list[int]:
+    return [i.step for i in store.list()]
+
+
+# commit and manifest -----------------------------------------------------------------------------
+def test_commit_writes_manifest_of_every_file_and_moves_latest(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "ck")
+    path = save(store, 7)
+    assert path == tmp_path / "ck" / "step_00000007"
+    assert (tmp_path / "ck" / LATEST).read_text() == "step_00000007\n"
+    m = json.loads((path / MANIFEST).read_text())
+    on_disk = {p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file()} - {MANIFEST}
+    assert set(m["files"]) == on_disk == {"actor/pp0_tp0.safetensors", "rng/rank0.pt", "controller_state.json",
+                                          "config.yaml"}
+    assert m["step"] == 7 and m["total_bytes"] == sum(f["size"] for f in m["files"].values())
+    assert store.verify(path) == []
+    assert store.load_controller_state(path) == {"step": 7, "kl": 0.1}
+    assert store.latest_valid(verify_checksums=True) == path
+    assert not [p for p in (tmp_path / "ck").iterdir() if p.name.startswith(".")]
+
+
+def test_commit_refuses_files_that_do_not_match_the_records(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path)
+    save(store, 1)
+    tmp = store.begin(2)
+    write_durable(tmp / "stray.bin", b"x")
+    with pytest.raises(CheckpointError, match="stray.bin"):  # written but never reported
+        store.commit(tmp, 2, [], {}, "")
+    tmp = store.begin(3)
+    write_durable(tmp / "a.bin", b"abc")
+    rec = file_record(tmp / "a.bin", tmp)
+    write_durable(tmp / "a.bin", b"abcd")  # changed after its writer reported it
+    with pytest.raises(CheckpointError, match="a.bin"):
+        store.commit(tmp, 3, [rec], {}, "")
+    with pytest.raises(CheckpointError, match="not a temporary folder"):
+        store.commit(tmp, 4, [rec], {}, "")
+    assert store.latest_valid() == tmp_path / "step_00000001"
+
+
+# corrupt and partial checkpoints are never chosen ------------------------------------------------
+def test_truncated_or_manifestless_checkpoints_are_skipped(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store = CheckpointStore(tmp_path, keep_last=10)
+    save(store, 1)
+    p2 = save(store, 2)
+    with open(p2 / "actor" / "pp0_tp0.safetensors", "r+b") as f:
+        f.truncate(10)
+    caplog.set_level(logging.WARNING, logger="hpcrl.checkpoint")
+    assert store.latest_valid() == tmp_path / "step_00000001"
+    assert "step_00000002" in caplog.text and "actor/pp0_tp0.safetensors: 10 bytes" in caplog.text
+    # a folder under a step name without a manifest (e.g. copied by hand, half-way) is skipped too
+    (tmp_path / "step_00000003" / "actor").mkdir(parents=True)
+    (tmp_path / LATEST).write_text("step_00000003\n")
+    caplog.clear()
+    assert store.latest_valid() == tmp_path / "step_00000001"
+    assert "step_00000003 (latest) is unusable" in caplog.text and "manifest.json missing" in caplog.text
+    (tmp_path / LATEST).write_text("step_00000099\n")  # pointer to a folder that is gone
+    assert store.latest_valid() == tmp_path / "step_00000001"
+
+
+def test_corrupt_bytes_are_caught_by_checksums(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, keep_last=10)
+    save(store, 1)
+    p2 = save(store, 2)
+    f = p2 / "actor" / "pp0_tp0.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[500] ^= 0xFF  # same size, one flipped byte
+    f.write_bytes(bytes(raw))
+    assert store.latest_valid() == p2  # sizes alone cannot see it
+    assert store.latest_valid(verify_checksums=True) == tmp_path / "step_00000001"
+    assert store.verify(p2) == ["actor/pp0_tp0.safetensors: sha256 differs from the manifest (corrupt)"]
+
+
+# retention -------------------------------------------------------------------------------------
+def test_retention_keeps_last_k_and_every_mth(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, keep_last=2, keep_every=3)
+    for s in range(1, 11):
+        save(store, s)
+    assert steps(store) == [3, 6, 9, 10]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no trash left behind
+    plain = CheckpointStore(tmp_path / "plain", keep_last=1)
+    for s in (5, 10):
+        save(plain, s)
+    assert steps(plain) == [10]
+
+
+def test_retention_never_deletes_what_latest_points_to(tmp_path: Path) -> None:
+    for s in (1, 2, 3):
+        save(CheckpointStore(tmp_path, keep_last=3), s)
+    (tmp_path / LATEST).write_text("step_00000001\n")  # rolled back by hand
+    store = CheckpointStore(tmp_path, keep_last=1)
+    assert [p.name for p in store.prune()] == ["step_00000002"]
+    assert steps(store) == [1, 3]
+    save(store, 4)  # a new commit moves the pointer: now the old one may go
+    assert steps(store) == [4]
+
+
+def test_same_step_saved_again_replaces_the_old_folder(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, keep_last=5)
+    save(store, 4, b"old" * 100)
+    save(store, 4, b"new" * 100)  # a run resumed from an older checkpoint reaches step 4 again
+    assert (tmp_path / "step_00000004" / "actor" / "pp0_tp0.safetensors").read_bytes() == b"new" * 100
+    assert steps(store) == [4] and store.verify(tmp_path / "step_00000004") == []
+
+
+# kill -9 during a save --------------------------------------------------------------------------
+def _start_slow_save(root: Path, step: int) -> subprocess.Popen:
+    return subprocess.Popen([PYTHON, SLOW_SAVE, str(root), str(step), str(BIG_MB)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for(cond, proc: subprocess.Popen, timeout: float = 60.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        if proc.poll() is not None:
+            return cond()
+        time.sleep(0.002)
+    return False
+
+
+def _tmp_dirs(root: Path) -> list[Path]:
+    return [p for p in root.iterdir() if p.name.startswith(".tmp-")]
+
+
+def _assert_every_step_folder_is_complete(store: CheckpointStore) -> None:
+    for info in store.list():
+        assert store.verify(info.path, checksums=True) == [], info
+
+
+def test_kill_during_shard_write_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path, keep_last=3)
+    prev = save(store, 1)
+    proc = _start_slow_save(tmp_path, 2)
+
+    def mid_write() -> bool:
+        files = [d / "actor" / "pp0_tp0.safetensors" for d in _tmp_dirs(tmp_path)]
+        return any(f.is_file() and f.stat().st_size >= 8 << 20 for f in files)
+
+    assert _wait_for(mid_write, proc), proc.communicate()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    shard = _tmp_dirs(tmp_path)[0] / "actor" / "pp0_tp0.safetensors"
+    assert shard.stat().st_size < BIG_MB << 20  # really killed half-way through the file
+    assert store.latest_valid(verify_checksums=True) == prev
+    assert (tmp_path / LATEST).read_text() == "step_00000001\n" and steps(store) == [1]
+    save(store, 3)  # the next commit removes the debris of the dead save
+    assert _tmp_dirs(tmp_path) == [] and steps(store) == [1, 3]
+
+
+def test_kill_at_every_stage_leaves_old_or_new_complete_checkpoint(tmp_path: Path) -> None:
+    """SIGKILL the save at each stage one can observe from outside (folder created, shard a quarter
+    and three quarters written, manifest written and being verified, folder renamed): afterwards
+    every step folder is complete and latest_valid is the old checkpoint or the new one."""
+    store = CheckpointStore(tmp_path, keep_last=100)
+    prev = save(store, 1)
+    big = BIG_MB << 20
+
+    def shard_at(frac: float):
+        return lambda: any((f := d / "actor" / "pp0_tp0.safetensors").is_file() and f.stat().st_size >= frac * big
+                           for d in _tmp_dirs(tmp_path))
+
+    stages = {"tmp folder": lambda: bool(_tmp_dirs(tmp_path)), "shard 25%": shard_at(0.25),
+              "shard 75%": shard_at(0.75),
+              "manifest": lambda: any((d / MANIFEST).is_file() for d in _tmp_dirs(tmp_path))}
+    outcomes = {}
+    for i, (stage, cond) in enumerate([*stages.items(), ("renamed", None)]):
+        step = 10 + i
+        new = tmp_path / f"step_{step:08d}"
+        proc = _start_slow_save(tmp_path, step)
+        assert _wait_for(cond or new.is_dir, proc), (stage, proc.communicate())
+        proc.send_signal(signal.SIGKILL)
+        out, _ = proc.communicate()
+        _assert_every_step_folder_is_complete(store)
+        chosen = store.latest_valid(verify_checksums=True)
+        assert chosen in (prev, new), (stage, chosen)
+        if new.is_dir() and (tmp_path / LATEST).read_text().strip() == new.name:
+            assert chosen == new
+        outcomes[stage] = "new" if chosen == new else "old"
+        prev = chosen
+    # which side of the rename a late kill lands on depends on scheduling; an early one cannot
+    # have reached it
+    assert outcomes["tmp folder"] == "old", outcomes
+    save(store, 50)
+    assert store.latest_valid(verify_checksums=True) == tmp_path / "step_00000050"
+    assert _tmp_dirs(tmp_path) == []  # the commit removed the debris of the killed saves
+
+
+# the CLI ---------------------------------------------------------------------------------------
+def ckpt_cli(*args: str) -> subprocess.CompletedProcess:
+    return run([PYTHON, "-m", "hpcrl.cli_ckpt", "ckpt", *args], timeout=120)
+
+
+def test_cli_list_and_verify_exit_codes(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    store = CheckpointStore(run_dir / "checkpoints", keep_last=5)
+    save(store, 5)
+    p10 = save(store, 10)
+    store.begin(15)  # an unfinished save
+    r = ckpt_cli("list", str(run_dir))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert any(ln.split()[0] == "5" and "yes" in ln and "latest" not in ln for ln in lines)
+    assert any(ln.split()[0] == "10" and "yes" in ln and "<- latest" in ln for ln in lines)
+    assert ".tmp-step_00000015" in r.stdout and "unfinished" in r.stdout
+    r = ckpt_cli("verify", str(run_dir))
+    assert r.returncode == 0 and r.stdout.count(": OK") == 2, r.stdout
+    f = p10 / "actor" / "pp0_tp0.safetensors"
+    f.write_bytes(b"W" + f.read_bytes()[1:])
+    r = ckpt_cli("verify", str(run_dir))
+    assert r.returncode == 1 and "step_00000010: CORRUPT" in r.stdout and "actor/pp0_tp0.safetensors" in r.stdout
+    assert ckpt_cli("verify", str(run_dir), "--step", "5").returncode == 0
+    assert ckpt_cli("verify", str(p10)).returncode == 1  # a checkpoint folder given directly
+    r = ckpt_cli("verify", str(run_dir), "--step", "7")
+    assert r.returncode == 2 and "no checkpoint of step 7" in r.stderr
+    assert ckpt_cli("list", str(tmp_path / "nowhere")).returncode == 2
+
+
+# offline conversion between layouts and HF export ------------------------------------------------
+def _arch(tie: bool):
+    from hpcrl.engines.megatron.model import ModelArch
+
+    # vocab 501 is padded to 512 at TP=2: the conversion must drop and re-add the padding rows
+    return ModelArch(architecture="Qwen2ForCausalLM", vocab_size=501, hidden_size=32, ffn_hidden_size=48,
+                     num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=1e4,
+                     max_position_embeddings=64, tie_word_embeddings=tie, qkv_bias=True)
+
+
+def _hf_tensors(arch, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    h, f, hd = arch.hidden_size, arch.ffn_hidden_size, arch.head_dim
+    q, kv = arch.num_heads * hd, arch.num_kv_heads * hd
+    t = {"model.embed_tokens.weight": torch.randn(arch.vocab_size, h, generator=g),
+         "model.norm.weight": torch.randn(h, generator=g)}
+    if not arch.tie_word_embeddings:
+        t["lm_head.weight"] = torch.randn(arch.vocab_size, h, generator=g)
+    for i in range(arch.num_layers):
+        p = f"model.layers.{i}."
+        shapes = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+                  "self_attn.q_proj.weight": (q, h), "self_attn.q_proj.bias": (q,),
+                  "self_attn.k_proj.weight": (kv, h), "self_attn.k_proj.bias": (kv,),
+                  "self_attn.v_proj.weight": (kv, h), "self_attn.v_proj.bias": (kv,),
+                  "self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (f, h),
+                  "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}
+        t.update({p + k: torch.randn(*s, generator=g) for k, s in shapes.items()})
+    return t
+
+
+KINDS = ("param", "exp_avg", "exp_avg_sq")
+
+
+def _write_saved_role(ckpt: Path, role: str, arch, hf: dict[str, dict[str, torch.Tensor]], tp: int, pp: int,
+                      value_head: bool = False) -> None:
+    """What MegatronEngine ranks would write at TP x PP, built from HF tensors with hf_to_megatron."""
+    from hpcrl.checkpoint.megatron_state import ShardState, write_shard
+    from hpcrl.engines.megatron.convert import hf_to_megatron
+
+    for p in range(pp):
+        for t in range(tp):
+            tensors, names = {}, []
+            for kind in KINDS:
+                shard = hf_to_megatron(arch, hf[kind].__getitem__, t, tp, p, pp, "local", lm_head=not value_head)
+                if value_head and p == pp - 1:
+                    shard["output_layer.weight"] = hf[kind]["value_head.weight"]
+                    shard["output_layer.bias"] = hf[kind]["value_head.bias"]
+                names = list(shard)
+                tensors.update({f"{kind}::{n}": v for n, v in shard.items()})
+            tensors.update({f"step::{n}": torch.tensor(3.0) for n in names})
+            meta = {"format": "hpcrl-megatron-shard/1", "role": role, "spec": "local", "dtype": "float32",
+                    "layout": {"tp": tp, "pp": pp, "dp": 1, "tp_rank": t, "pp_rank": p}, "value_head": value_head,
+                    "arch": asdict(arch), "model_path": str(ckpt / "model"), "step_count": 3, "params": names,
+                    "master": False, "optimizer": {"per_element": ["exp_avg", "exp_avg_sq"], "scalar": ["step"],
+                                                   "step": 3.0, "step_dtype": "float32", "other": {},
+                                                   "param_groups": [{"lr": 1e-3}]}}
+            write_shard(ShardState(tensors, meta), ckpt, role)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_saved_shards_reslice_exactly_into_any_layout(tmp_path: Path, tie: bool) -> None:
+    from hpcrl.checkpoint.megatron_state import SavedRole
+    from hpcrl.engines.megatron.convert import hf_to_megatron
+
+    arch = _arch(tie)
+    hf = {k: _hf_tensors(arch, seed) for seed, k in enumerate(KINDS)}
+    _write_saved_role(tmp_path, "actor", arch, hf, tp=2, pp=2)
+    saved = SavedRole(tmp_path / "actor")
+    assert saved.kinds() == list(KINDS) and (saved.tp, saved.pp) == (2, 2)
+    for tp, pp in [(1, 1), (2, 1), (1, 4)]:
+        for kind in KINDS:
+            for p in range(pp):
+                for t in range(tp):
+                    want = hf_to_megatron(arch, hf[kind].__getitem__, t, tp, p, pp, "local")
+                    got = hf_to_megatron(arch, saved.hf_getter(kind), t, tp, p, pp, "local")
+                    assert got.keys() == want.keys()
+                    for k in want:
+                        assert torch.equal(got[k], want[k]), (tp, pp, kind, k)
+
+
+def test_critic_value_head_travels_apart_from_the_lm_layers(tmp_path: Path) -> None:
+    from hpcrl.checkpoint.export import export_hf
+    from hpcrl.checkpoint.megatron_state import SavedRole
+
+    arch = _arch(False)
+    hf = {k: _hf_tensors(arch, seed) for seed, k in enumerate(KINDS)}
+    for seed, k in enumerate(KINDS):
+        hf[k]["value_head.weight"] = torch.full((1, arch.hidden_size), float(seed + 1))
+        hf[k]["value_head.bias"] = torch.full((1,), float(seed + 1))
+    _write_saved_role(tmp_path, "critic", arch, hf, tp=2, pp=2, value_head=True)
+    saved = SavedRole(tmp_path / "critic")
+    for kind in KINDS:
+        head = saved.value_head_tensors(kind)
+        assert torch.equal(head["output_layer.weight"], hf[kind]["value_head.weight"])
+        assert "lm_head.weight" not in saved.unit_hf(kind, 1, "final")  # the value head is no LM head
+        assert torch.equal(saved.hf_getter(kind)("model.layers.3.mlp.up_proj.weight"),
+                           hf[kind]["model.layers.3.mlp.up_proj.weight"])
+    with pytest.raises(ValueError, match="value head"):
+        export_hf(tmp_path, tmp_path / "out", role="critic", model_path=str(tmp_path))
+
+
+def test_export_hf_joins_shards_into_the_original_tensors(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from hpcrl.checkpoint.export import export_hf
+
+    arch = _arch(True)
+    hf = {k: _hf_tensors(arch, seed) for seed, k in enumerate(KINDS)}
+    ckpt = tmp_path / "step_00000003"
+    _write_saved_role(ckpt, "actor", arch, hf, tp=2, pp=2)
+    model = ckpt / "model"  # the recorded model path: config and tokenizer come from there
+    model.mkdir()
+    (model / "config.json").write_text('{"architectures": ["Qwen2ForCausalLM"]}')
+    (model / "tokenizer.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"not copied")
+    info = export_hf(ckpt, tmp_path / "hf", max_shard_bytes=30_000)
+    files = sorted(p.name for p in (tmp_path / "hf").iterdir())
+    assert info["files"] > 1 and f"model-00001-of-{info['files']:05d}.safetensors" in files
+    assert {"config.json", "tokenizer.json", "model.safetensors.index.json"} <= set(files)
+    assert "model.safetensors" not in files
+    got = {}
+    for f in files:
+        if f.endswith(".safetensors"):
+            got.update(load_file(str(tmp_path / "hf" / f)))
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert got.keys() == hf["param"].keys() == index["weight_map"].keys()  # tied: no lm_head
+    assert all(torch.equal(got[k], hf["param"][k]) for k in got)
+    with pytest.raises(FileExistsError):
+        export_hf(ckpt, tmp_path / "hf")
+
+
+def test_rank_seed_is_stable_and_distinct() -> None:
+    from hpcrl.checkpoint.megatron_state import rank_seed
+
+    assert rank_seed(1, 10, 0) == rank_seed(1, 10, 0)
+    assert len({rank_seed(1, 10, r) for r in range(64)} | {rank_seed(1, 11, 0), rank_seed(2, 10, 0)}) == 66
+

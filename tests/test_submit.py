@@ -1,0 +1,364 @@
+"""Slurm launch: `hpcrl submit` (submitit hetjob), sbatch/ppo_70b.sh, `hpcrl status` / `hpcrl cancel`, quoting.
+
+The Slurm part runs against the real local cluster (tools/slurm_up.sh) with as few jobs as possible: the
+module fixture submits two training jobs at once (each ~1 min of the tiny model on a quiet machine, 4-5 min
+on the loaded 2-core CI box; they run one after the other since each takes 3 of the 4 nodes):
+
+- A: `hpcrl submit --nodes 2 configs/grpo_tiny.yaml` for 3 steps, its run named with `$(touch ...)`, quotes,
+  backticks, `;` and spaces (the run dir, job name and log paths carry the name), under a folder with a space;
+- B: `sbatch [group 0 options] : [group 1 options] sbatch/ppo_70b.sh <tiny overrides>`: PPO with a critic
+  (GAE) on the tiny model, 2 worker nodes x 2 workers, CPU.
+
+Before them, one short job (~30 s) checks that USR1 and TERM reach the controller and that `hpcrl cancel`
+works. Everything else is cheap: `--test-only` of the 70B script, a held dry-run script, unit checks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from conftest import HPCRL, REPO, run
+
+TINY_PPO_OVERRIDES = [
+    "model.path=models/tiny-qwen2", "model.dtype=fp32",
+    "data.train_files=[data/arith/train.parquet]", "data.val_files=[data/arith/val.parquet]",
+    "data.max_prompt_length=128", "data.train_batch_size=8", "data.val_batch_size=8",
+    "actor.parallel.tensor_parallel=2", "actor.parallel.pipeline_parallel=1", "actor.parallel.data_parallel=null",
+    "actor.ppo_mini_batch_size=8", "actor.micro_batch_tokens=2048", "actor.offload=false",
+    "critic.parallel.tensor_parallel=2", "critic.parallel.pipeline_parallel=1", "critic.parallel.data_parallel=null",
+    "critic.ppo_mini_batch_size=8", "critic.micro_batch_tokens=2048",
+    "rollout.tensor_parallel=1", "rollout.n=2", "rollout.max_new_tokens=16", "rollout.weight_bucket_mb=16",
+    "trainer.nnodes=2", "trainer.workers_per_node=2", "trainer.device=cpu", "trainer.total_steps=2",
+    "trainer.val_every=0", "trainer.timeout_s=300", "checkpoint.save_every=0", "checkpoint.async_save=false",
+    "slurm.partition=normal", "slurm.gpus_per_node=0",
+]
+# sbatch options that turn the 70B allocation into the local cluster's: group 0 before ':', group 1 after
+TINY_PPO_SBATCH = ["--partition=normal", "--cpus-per-task=1", "--mem=3G", "--time=30", ":",
+                   "--partition=normal", "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1", "--mem=3G",
+                   "--gpus-per-node=0", "--oversubscribe"]
+JOB_DEADLINE_S = 25 * 60  # per job, generous: the CI box runs other tests beside these
+
+
+def _sacct_components(job_id: str) -> dict[str, str]:
+    r = run(["sacct", "-j", job_id, "--parsable2", "--noheader", "-o", "JobID,State"], timeout=60)
+    rows = dict(line.split("|", 1) for line in r.stdout.splitlines() if "|" in line)
+    return {k: v for k, v in rows.items() if "." not in k}
+
+
+def _wait_done(job_id: str, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        q = run(["squeue", "-h", "-j", job_id], timeout=60)
+        if not q.stdout.strip():
+            return
+        time.sleep(3)
+    run(["scancel", job_id], timeout=60)
+    pytest.fail(f"job {job_id} did not finish in {JOB_DEADLINE_S} s")
+
+
+def _tail(path: Path, n: int = 4000) -> str:
+    return path.read_text(errors="replace")[-n:] if path.exists() else f"({path} missing)"
+
+
+def _steps(run_dir: Path) -> list[int]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["step"] for line in lines if line.strip()]
+
+
+def _events(path: Path) -> list[str]:
+    if not path.exists():
+        return []
+    return [json.loads(line)["event"] for line in path.read_text().splitlines() if line.strip()]
+
+
+def _wait_for(pred, what: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return
+        time.sleep(0.5)
+    pytest.fail(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def env_registry(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A private job registry for this module (the CLI and, through sbatch's environment, the jobs use it)."""
+    reg = tmp_path_factory.mktemp("registry") / "jobs.jsonl"
+    return {**os.environ, "HPCRL_JOB_REGISTRY": str(reg)}
+
+
+@pytest.fixture(scope="module")
+def jobs(slurm_cluster: None, tmp_path_factory: pytest.TempPathFactory,
+         env_registry: dict[str, str]) -> dict[str, object]:
+    """Submit A (hpcrl submit, dangerous name) and B (sbatch ppo_70b.sh, tiny), wait for both."""
+    base = tmp_path_factory.mktemp("submit") / "dir with space"
+    base.mkdir()
+    marker = base.parent / f"pwned-{uuid.uuid4().hex[:8]}"
+    tmp_pwned_before = os.path.exists("/tmp/pwned")
+    name = f'$(touch /tmp/pwned) "q" s p\'x`touch {marker}`;y $(touch {marker}2)'
+    t0 = time.monotonic()
+    a = run([HPCRL, "submit", "--nodes", "2", "--json", "configs/grpo_tiny.yaml", "trainer.total_steps=3",
+             "trainer.workers_per_node=2", "trainer.val_every=0", f"trainer.experiment={name}",
+             f"trainer.run_dir={base}/runs/${{trainer.experiment}}"], timeout=300, env=env_registry)
+    assert a.returncode == 0, a.stderr + a.stdout
+    sub_a = json.loads(a.stdout)
+    ppo_dir = base / "ppo run"
+    ppo_log = base / "ppo-%j.out"
+    b = run(["sbatch", "--parsable", f"--output={ppo_log}", *TINY_PPO_SBATCH, "sbatch/ppo_70b.sh",
+             *TINY_PPO_OVERRIDES, "trainer.experiment=ppo tiny", f"trainer.run_dir={ppo_dir}"],
+            timeout=120, env=env_registry)
+    assert b.returncode == 0, b.stderr
+    job_b = b.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 2 * JOB_DEADLINE_S
+    try:
+        _wait_done(sub_a["job_id"], deadline)
+        t_a = time.monotonic() - t0
+        _wait_done(job_b, deadline)
+    finally:
+        run(["scancel", sub_a["job_id"], job_b], timeout=60)  # no-op once they are done
+    print(f"job A {sub_a['job_id']} done after {t_a:.0f} s, job B {job_b} after {time.monotonic() - t0:.0f} s")
+    return {"a": sub_a, "name": name, "marker": marker, "tmp_pwned_before": tmp_pwned_before, "base": base,
+            "b": job_b, "ppo_dir": ppo_dir, "ppo_log": Path(str(ppo_log).replace("%j", job_b))}
+
+
+# ---------------------------------------------------------------- on the local cluster
+@pytest.mark.slurm
+@pytest.mark.usefixtures("slurm_cluster")
+def test_signals_reach_the_controller_and_cancel(tmp_path: Path, env_registry: dict[str, str]) -> None:
+    """USR1 for the batch process (what --signal=B:USR1 does) and TERM reach the controller; hpcrl cancel.
+
+    Runs first, alone (~30 s): a controller program that records signals (tests/programs/slurm_signal_probe.py),
+    submitted by `hpcrl submit --target`, 1 worker node x 2 workers.
+    """
+    run_dir = tmp_path / "probe run"
+    probe = run_dir / "probe.jsonl"
+    r = run([HPCRL, "submit", "--json", "--nodes", "1", "--target", "tests/programs/slurm_signal_probe.py",
+             "configs/grpo_tiny.yaml", "trainer.workers_per_node=2", f"trainer.run_dir={run_dir}"],
+            env=env_registry, timeout=300)
+    assert r.returncode == 0, r.stderr
+    sub = json.loads(r.stdout)
+    job = sub["job_id"]
+    try:
+        _wait_for(lambda: "ready" in _events(probe), "the probe's worker group", JOB_DEADLINE_S)
+        ready = json.loads(probe.read_text().splitlines()[0])
+        assert len(ready["workers"]) == 2 and ready["argv"][0] == str(run_dir / "slurm" / "config.yaml")
+        assert run(["scancel", "--batch", "--signal=USR1", job]).returncode == 0
+        _wait_for(lambda: "SIGUSR1" in _events(probe), "USR1 at the controller", 60)
+        c = run([HPCRL, "cancel", job], env=env_registry)
+        assert c.returncode == 0, c.stderr
+        _wait_for(lambda: not run(["squeue", "-h", "-j", job]).stdout.strip(), "the job to end", 120)
+    finally:
+        run(["scancel", job])
+    assert _events(probe) == ["ready", "SIGUSR1", "SIGTERM"], _tail(Path(sub["stderr"]))
+    err = Path(sub["stderr"]).read_text(errors="replace")
+    assert "[hpcrl slurm] got SIGUSR1: forwarded to srun" in err
+    assert {s.split()[0] for s in _sacct_components(job).values()} == {"CANCELLED"}  # "CANCELLED by 0"
+    st = run([HPCRL, "status", job, "--json"], env=env_registry)
+    assert st.returncode == 0 and json.loads(st.stdout)["state"] == "CANCELLED", st.stdout + st.stderr
+    assert run([HPCRL, "cancel", "--user=root"], env=env_registry).returncode == 2  # never handed to scancel
+    assert run([HPCRL, "status", "987654321"], env=env_registry).returncode == 3
+
+
+@pytest.mark.slurm
+def test_submit_grpo_hetjob_completes(jobs: dict, env_registry: dict[str, str]) -> None:
+    """hpcrl submit --nodes 2 configs/grpo_tiny.yaml, 3 steps: both het components COMPLETED, 3 steps of metrics."""
+    sub = jobs["a"]
+    job, run_dir, folder = sub["job_id"], Path(sub["run_dir"]), Path(sub["folder"])
+    logs = _tail(Path(sub["stdout"])) + _tail(Path(sub["stderr"]))
+    assert _sacct_components(job) == {f"{job}+0": "COMPLETED", f"{job}+1": "COMPLETED"}, logs
+    assert _steps(run_dir) == [1, 2, 3], logs
+    assert folder == run_dir / "slurm" and (folder / "job.json").is_file() and (folder / "config.yaml").is_file()
+    script = Path(sub["submission_file"]).read_text()
+    assert "#SBATCH hetjob" in script and "#SBATCH --signal=B:USR1@300" in script
+    assert "#SBATCH --requeue" in script and "#SBATCH --open-mode=append" in script
+    assert "[hpcrl slurm] srun exited with status 0" in Path(sub["stderr"]).read_text(errors="replace")
+    st = run([HPCRL, "status", job, "--json"], env=env_registry)
+    assert st.returncode == 0, st.stderr
+    status = json.loads(st.stdout)
+    assert status["state"] == "COMPLETED" and status["step"] == 3 and status["restarts"] == 0
+    assert status["run_dir"] == str(run_dir)
+    assert [c["state"] for c in status["components"]] == ["COMPLETED", "COMPLETED"]
+    human = run([HPCRL, "status", job], env=env_registry)
+    assert "COMPLETED" in human.stdout and "step 3" in human.stdout
+
+
+@pytest.mark.slurm
+def test_dangerous_run_name_runs_and_executes_nothing(jobs: dict) -> None:
+    """A run named with $(touch ...), backticks, quotes, ; and spaces submits and runs; nothing is executed."""
+    sub, name, marker = jobs["a"], jobs["name"], jobs["marker"]
+    run_dir = Path(sub["run_dir"])
+    assert run_dir == jobs["base"] / "runs" / name  # the name reached the file system verbatim
+    assert not marker.exists() and not Path(f"{marker}2").exists()
+    if not jobs["tmp_pwned_before"]:
+        assert not os.path.exists("/tmp/pwned")
+    info = json.loads((run_dir / "slurm" / "job.json").read_text())
+    assert info["job_name"] == name and info["restart_count"] == 0
+    shown = run(["scontrol", "show", "job", sub["job_id"]])
+    assert f"JobName={name}" in shown.stdout or shown.returncode != 0  # slurmctld may have purged it already
+    assert Path(sub["stdout"]).parent == run_dir / "slurm"
+
+
+@pytest.mark.slurm
+def test_ppo_70b_script_runs_tiny_ppo(jobs: dict, env_registry: dict[str, str]) -> None:
+    """sbatch sbatch/ppo_70b.sh with tiny overrides: a short PPO (GAE, critic) run completes."""
+    job, run_dir = jobs["b"], jobs["ppo_dir"]
+    log = _tail(jobs["ppo_log"])
+    assert _sacct_components(job) == {f"{job}+0": "COMPLETED", f"{job}+1": "COMPLETED"}, log
+    assert _steps(run_dir) == [1, 2], log
+    first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    assert any(k.startswith("critic/") for k in first), sorted(first)
+    info = json.loads((run_dir / "slurm" / "job.json").read_text())
+    assert info["job_id"] == job and info["worker_nodes"]
+    st = run([HPCRL, "status", job, "--json"], env=env_registry)  # found through the registry (plain sbatch)
+    assert st.returncode == 0, st.stderr
+    status = json.loads(st.stdout)
+    assert status["state"] == "COMPLETED" and status["step"] == 2 and status["run_dir"] == str(run_dir)
+
+
+@pytest.mark.slurm
+@pytest.mark.usefixtures("slurm_cluster")
+def test_ppo_70b_script_accepted_with_its_70b_settings(env_registry: dict[str, str]) -> None:
+    """`sbatch --test-only sbatch/ppo_70b.sh`: 1 + 32 nodes, 8 GPUs per worker node (simulated partition);
+    the same for the batch script `hpcrl submit configs/ppo_70b.yaml` would submit."""
+    r = run(["sbatch", "--test-only", "sbatch/ppo_70b.sh"], timeout=60)
+    assert r.returncode == 0 and "to start at" in r.stderr, r.stderr
+    dry = run([HPCRL, "submit", "--dry-run", "--skip-path-checks", "configs/ppo_70b.yaml"], env=env_registry)
+    assert dry.returncode == 0, dry.stderr
+    script = dry.stdout.split("\n# the batch step")[0]
+    assert "#SBATCH --gpus-per-node=8" in script and "#SBATCH --nodes=32" in script
+    r = run(["sbatch", "--test-only"], input=script, timeout=60)
+    assert r.returncode == 0 and "to start at" in r.stderr, r.stderr
+
+
+@pytest.mark.slurm
+@pytest.mark.usefixtures("slurm_cluster")
+def test_submit_dry_run_script_is_quoted(tmp_path: Path, env_registry: dict[str, str]) -> None:
+    """The batch script: hetjob block, USR1 signal, quoted paths; sbatch parses the directives as written."""
+    name = "a b 'c' \"d\" $(e) `f` g;h hetjob"  # "hetjob" inside a value must not split the job
+    r = run([HPCRL, "submit", "--dry-run", "--nodes", "2", "--partition", "normal", "--no-requeue",
+             "configs/grpo_tiny.yaml", f"trainer.experiment={name}", f"trainer.run_dir={tmp_path}/x y/{name}"],
+            env=env_registry)
+    assert r.returncode == 0, r.stderr
+    script = r.stdout.split("\n# the batch step")[0]
+    assert "\n#SBATCH hetjob\n" in script and "#SBATCH --no-requeue" in script
+    assert "exec " in script and "-m submitit.core._submit" in script
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    held = run(["sbatch", "--parsable", "--hold", "--output=/dev/null"], input=script, timeout=60)
+    assert held.returncode == 0, held.stderr  # Slurm takes the directives (nothing can run: held, then cancelled)
+    job = held.stdout.strip().split(";")[0]
+    try:
+        shown = run(["scontrol", "show", "job", job]).stdout
+    finally:
+        run(["scancel", job])
+    assert f"JobName={name}" in shown and "HetJobOffset=1" in shown and "Requeue=0" in shown
+    assert "HetJobOffset=2" not in shown
+    assert not (tmp_path / "x y").exists()  # a dry run writes nothing
+
+
+@pytest.mark.slurm
+@pytest.mark.usefixtures("slurm_cluster")
+def test_submit_refuses_bad_config_before_submitting(env_registry: dict[str, str]) -> None:
+    r = run([HPCRL, "submit", "--nodes", "3", "configs/grpo_tiny.yaml", "actor.parallel.tensor_parallel=3"],
+            env=env_registry)
+    assert r.returncode == 2 and "actor.parallel.tensor_parallel=3" in r.stderr, r.stderr
+    r = run([HPCRL, "submit", "--time", "soon", "configs/grpo_tiny.yaml"], env=env_registry)
+    assert r.returncode == 2 and "slurm.time" in r.stderr, r.stderr
+
+
+# ---------------------------------------------------------------- no cluster needed
+def test_parse_slurm_time() -> None:
+    from hpcrl.launch.slurm_query import parse_slurm_time
+
+    assert [parse_slurm_time(t) for t in ("30", "1:30", "04:00:00", "2-00:00:00", "1-2", "1-0:1", "0:0:1")] == \
+        [30, 2, 240, 2880, 1560, 1441, 1]
+    for bad in ("soon", "1:2:3:4", "0", "-5", ""):
+        with pytest.raises(ValueError):
+            parse_slurm_time(bad)
+
+
+def test_override_values_survive_yaml_and_interpolation() -> None:
+    from hpcrl.config import load_config
+    from hpcrl.launch.allocation import override
+
+    weird = "/r/a: b #c 'd' \"e\" [f] {g} $(h) `i` - j"
+    cfg = load_config("configs/grpo_tiny.yaml", [override("trainer.run_dir", weird)])
+    assert cfg.trainer.run_dir == weird and cfg.checkpoint.dir == weird + "/checkpoints"
+
+
+def test_sbatch_directives_quote_or_refuse() -> None:
+    from hpcrl.launch.submit import check_directive_value, safe_job_name, sbatch_directive
+
+    assert sbatch_directive("job_name", "it's") == "#SBATCH --job-name='it'\"'\"'s'"
+    assert sbatch_directive("requeue", True) == "#SBATCH --requeue"
+    for bad in ("a\\b", "a\nb", "a\rb"):
+        with pytest.raises(ValueError):
+            check_directive_value(bad, "x")
+    assert safe_job_name("a\\b\nc") == "a_b_c"
+
+
+def test_hetjob_states_fold_from_sacct_rows() -> None:
+    """sacct rows as measured for a requeued hetjob (job 51 on the local cluster)."""
+    from hpcrl.launch.slurm_query import parse_sacct, status_from_sacct
+    from hpcrl.launch.submit import HetSlurmInfoWatcher
+
+    text = "\n".join([
+        "51+0|REQUEUED|00:00:06|0:0|n1|2026-11-29T22:01:21|2026-11-29T22:01:27|normal|rq",
+        "51+0.batch|CANCELLED|00:00:06|0:15|n1|2026-11-29T22:01:21|2026-11-29T22:01:27||batch",
+        "51+1|REQUEUED|00:00:06|0:0|n[2-3]|2026-11-29T22:01:21|2026-11-29T22:01:27|normal|rq",
+        "51+0|RUNNING|00:00:40|0:0|n1|2026-11-29T22:02:42|Unknown|normal|rq | with a pipe",
+        "51+0.batch|RUNNING|00:00:40|0:0|n1|2026-11-29T22:02:42|Unknown||batch",
+        "51+1|FAILED|00:00:40|1:0|n[2-3]|2026-11-29T22:02:42|Unknown|normal|rq | with a pipe",
+    ])
+    st = status_from_sacct("51", parse_sacct(text))
+    assert st is not None and st.restarts == 1 and st.state == "FAILED" and st.name == "rq | with a pipe"
+    assert [(c.job_id, c.state) for c in st.components] == [("51+0", "RUNNING"), ("51+1", "FAILED")]
+    info = HetSlurmInfoWatcher().read_info("JobID|State|NodeList\n7+0|COMPLETED|n1\n7+0.batch|COMPLETED|n1\n"
+                                           "7+1|CANCELLED by 0|n[2-3]\n")
+    assert info["7"]["State"] == "CANCELLED"
+
+
+def test_job_registry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpcrl.launch import jobs
+
+    monkeypatch.setenv("HPCRL_JOB_REGISTRY", str(tmp_path / "sub" / "jobs.jsonl"))
+    jobs.register_job("5", str(tmp_path / "old"))
+    jobs.register_job("5+1", str(tmp_path / "new run"))  # the latest entry for a job id wins
+    threads = [threading.Thread(target=jobs.register_job, args=(str(100 + i), f"/runs/{i}" + "x" * 3000))
+               for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert jobs.lookup_run_dir("5") == str(tmp_path / "new run") == jobs.lookup_run_dir("5+0")
+    assert jobs.lookup_run_dir("6") is None and jobs.lookup_run_dir("--all") is None
+    lines = (tmp_path / "sub" / "jobs.jsonl").read_text().splitlines()
+    assert len(lines) == 18 and all(json.loads(line) for line in lines)  # nothing interleaved
+    recent = [e["job_id"] for e in jobs.recent_jobs(2)]
+    assert len(recent) == 2 and set(recent) <= {str(100 + i) for i in range(16)}
+    monkeypatch.setenv("HPCRL_JOB_REGISTRY", "/proc/no/such/dir/jobs.jsonl")
+    jobs.register_job("7", "/x")  # best effort: warns, never raises
+
+
+def test_allocation_decides_the_worker_layout(tmp_path: Path) -> None:
+    """slurm_entry's config handling against a hetjob's environment (values as Slurm sets them)."""
+    from hpcrl.config import ConfigError
+    from hpcrl.launch.allocation import AllocationError, resolve_config_args
+
+    env = {"SLURM_HET_SIZE": "2", "SLURM_JOB_NUM_NODES_HET_GROUP_1": "2", "SLURM_NTASKS_HET_GROUP_1": "4",
+           "SLURM_NTASKS_HET_GROUP_0": "1"}
+    args, cfg = resolve_config_args("configs/grpo_tiny.yaml", ["trainer.experiment=e x"], env, cwd=str(REPO))
+    assert (cfg.trainer.nnodes, cfg.trainer.workers_per_node) == (2, 2)
+    assert cfg.trainer.run_dir == str(REPO / "runs" / "hpcrl" / "e x")  # relative -> pinned to the submit dir
+    assert args[:2] == ["configs/grpo_tiny.yaml", "trainer.experiment=e x"]
+    with pytest.raises(ConfigError, match="trainer.nnodes=3"):
+        resolve_config_args("configs/grpo_tiny.yaml", ["trainer.nnodes=3"], env)
+    with pytest.raises(AllocationError, match="two-component"):
+        resolve_config_args("configs/grpo_tiny.yaml", [], {"SLURM_HET_SIZE": "1"})
+    with pytest.raises(AllocationError, match="same number"):
+        resolve_config_args("configs/grpo_tiny.yaml", [], {**env, "SLURM_NTASKS_HET_GROUP_1": "3"})
