@@ -128,8 +128,8 @@ def test_preempted_by_higher_priority_job_resumes_bit_exact(slurm_cluster: None,
     high = None
     try:
         wait_for(lambda: steps_done(run_dir) >= 3, 600, "step 3", job)
-        # all 4 nodes on the high-priority partition: Slurm must preempt the run to start it
-        r = subprocess.run(["sbatch", "--parsable", "-p", "high", "-N", "4", "--mem=100M", "-t", "2",
+        # all 4 nodes, exclusively, on the high-priority partition: Slurm must preempt the run to start it
+        r = subprocess.run(["sbatch", "--parsable", "-p", "high", "-N", "4", "--exclusive", "--mem=100M", "-t", "2",
                             "-o", str(tmp_path / "high-%j.out"), "--wrap", "sleep 2"],
                            capture_output=True, text=True)
         assert r.returncode == 0, r.stderr

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import TRAIN_STEPS, hpcrl_run
+from conftest import HPCRL, TRAIN_STEPS, hpcrl_run, run
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def ppo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
     d = tmp_path_factory.mktemp("ppo") / "run"
     return d, hpcrl_run(d, "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true",
                         "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.01", "critic.optim.lr=1e-3",
-                        "checkpoint.save_every=0")
+                        "algorithm.dynamic_sampling=true", "checkpoint.save_every=3", "checkpoint.async_save=true")
 
 
 def mean(xs: list[float]) -> float:
@@ -50,6 +50,13 @@ def test_step_record(algo: str, request: pytest.FixtureRequest) -> None:
         assert "critic/vf_loss" in m and "actor/kl" in m and "actor/kl_coef" in m
         assert steps[-1]["critic/vf_loss"] < steps[0]["critic/vf_loss"]
         assert steps[-1]["actor/kl_coef"] != steps[0]["actor/kl_coef"]  # the adaptive controller moved
-    # the end of the run is saved, and the log is where the run said
+        # DAPO dynamic sampling: groups with a reward spread are kept (a graded reward: nearly all)
+        assert all(s["dapo/groups_with_signal"] >= 1 for s in steps)
+    # the end of the run is saved (PPO also saved every 3 steps in the background: 9 is kept), and the
+    # log is where the run said
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+    assert ckpts == (["step_00000009", "step_00000010"] if algo == "ppo" else ["step_00000008", "step_00000010"])
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{TRAIN_STEPS:08d}"
+    if algo == "ppo":
+        assert run([HPCRL, "ckpt", "verify", str(run_dir)]).returncode == 0  # sha256 of every file
     assert (run_dir / "logs" / "controller.log").read_text().count(f"step {TRAIN_STEPS}/{TRAIN_STEPS}") == 1

@@ -3,6 +3,9 @@
 # baseline side by side from one run, with the ratio.
 #   tools/bench_controller.py  hpcrl runtime vs Ray actors (Ray in its own venv, .venv-ray)
 #   tools/bench_packing.py     packed vs padded Megatron updates
+#   tools/bench_learning.py    GRPO learning curves + tokens/s vs TRL's GRPOTrainer (TRL in .venv-trl)
+# BENCH_LEARNING_ARGS: extra flags for bench_learning.py (e.g. "--steps 10 --val-samples 64");
+# BENCH_LEARNING=0 skips it (it is the long one: ~1 h at the defaults on 2 busy cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RAY_VENV=${RAY_VENV:-.venv-ray}
@@ -17,7 +20,14 @@ echo "[bench] === packed vs padded Megatron update"
 .venv/bin/python tools/bench_packing.py
 shopt -s nullglob
 for b in tools/bench_*.py; do
-  case $b in tools/bench_controller.py|tools/bench_packing.py) continue ;; esac
+  case $b in tools/bench_controller.py|tools/bench_packing.py|tools/bench_learning.py) continue ;; esac
   echo "[bench] === $b"
   .venv/bin/python "$b"
 done
+if [[ ${BENCH_LEARNING:-1} != 0 ]]; then
+  echo "[bench] === GRPO learning vs TRL"
+  export TRL_VENV=${TRL_VENV:-.venv-trl}
+  bash tools/setup_trl_venv.sh   # TRL + CPU torch in their own venv (idempotent)
+  # shellcheck disable=SC2086  # word splitting of the extra flags is intended
+  .venv/bin/python tools/bench_learning.py --trl-python "$TRL_VENV/bin/python" ${BENCH_LEARNING_ARGS:-}
+fi
