@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 
 import pytest
@@ -159,6 +160,20 @@ def test_scorer_builtin_batch(builtin_scorer):
     assert all(d["error"] is None for d in r.details)
     empty = builtin_scorer.score([])
     assert (empty.scores, empty.details) == ([], [])
+
+
+def test_workers_survive_slurm_stop_signals(builtin_scorer):
+    """Slurm sends TERM/USR1 to every process of a job on preemption; only the controller acts on them.
+    (Found on the local cluster: reward workers killed by the preemption TERM scored 2 samples 0.)"""
+    builtin_scorer.score([RewardInput("gsm8k", "#### 1", "1", {})])  # workers up
+    pids = list(builtin_scorer.worker_pids)
+    for pid in pids:
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+            os.kill(pid, sig)
+    time.sleep(0.5)
+    r = builtin_scorer.score([RewardInput("gsm8k", f"#### {i}", str(i), {}) for i in range(64)])
+    assert r.scores == [1.5] * 64 and r.metrics["reward/errors"] == 0
+    assert list(builtin_scorer.worker_pids) == pids  # the same processes, still alive
 
 
 def test_scorer_builtin_unknown_source_refused(builtin_scorer):

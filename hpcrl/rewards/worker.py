@@ -20,6 +20,7 @@ import math
 import numbers
 import os
 import pickle
+import signal
 import struct
 import sys
 import threading
@@ -145,6 +146,12 @@ def _load(init: dict[str, Any]) -> tuple[Callable, bool]:
 
 
 def main() -> None:
+    # Only the controller decides when a run stops. Slurm's TERM / USR1 (preemption, time limit,
+    # scancel) reach every process of the job; a reward worker dying of them mid-step would score its
+    # samples 0 and the resumed run would no longer match an uninterrupted one. The scorer still ends
+    # workers with SIGKILL, and a worker exits by itself when the controller is gone.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
     inp = os.fdopen(os.dup(0), "rb")
     out = os.fdopen(os.dup(1), "wb")
     devnull = os.open(os.devnull, os.O_RDONLY)
