@@ -55,7 +55,7 @@ DIFFERENCES = [
     "generation batch before splitting it",
     "advantage epsilon: (r - mean) / (std + 1e-6) in hpcrl, (std + 1e-4) in TRL (unbiased std in both)",
     "optimizer: Megatron-core's Adam (fp32 main params) vs torch AdamW; same betas, eps, lr, no decay",
-    "transformers: 5.19 in .venv (hpcrl) vs the version TRL installs in .venv-trl (printed above)",
+    "transformers: {hpcrl_tf} in .venv (hpcrl, vLLM's pin) vs {trl_tf} in .venv-trl (what TRL installs)",
     "validation generation: vLLM greedy (hpcrl) vs HF generate greedy with left padding (TRL); the "
     "'before' accuracies of the same initial model can differ by float rounding on near ties",
     "threads: hpcrl runs 2 worker processes x 1 thread (+ controller); TRL one process x 2 threads",
@@ -191,7 +191,9 @@ def trl_child(spec: dict) -> dict:
         s = timer.steps[k * per:(k + 1) * per]
         tokens = s[-1]["tokens_seen"] - seen
         seen = s[-1]["tokens_seen"]
-        steps.append({"step": k + 1, "time_s": sum(x["time_s"] for x in s), "tokens": tokens, **rollouts[k]})
+        steps.append({"step": k + 1, "time_s": sum(x["time_s"] for x in s), "tokens": tokens, **rollouts[k],
+                      "phases": {"opt step with generation": s[0]["time_s"],
+                                 "opt steps without": sum(x["time_s"] for x in s[1:])}})
     logged_step_time = [x["step_time"] for x in timer.logs if "step_time" in x]
     return {"versions": {"trl": trl.__version__, "transformers": transformers.__version__,
                          "torch": torch.__version__},
@@ -255,6 +257,28 @@ def _prepare(args: argparse.Namespace, overrides: list[str]) -> dict:
             "val": [row(val, raw_val, i) for i in range(min(args.val_samples, len(val)))]}
 
 
+class LoadSampler:
+    """The 1-minute load average every 10 s while one side runs (the machine is shared)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(10.0):
+            self.samples.append(os.getloadavg()[0])
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        s = self.samples or [os.getloadavg()[0]]
+        return {"mean": statistics.fmean(s), "max": max(s)}
+
+
 def _stream(cmd: list[str], log_path: str, prefix: str, env: dict, timeout: float | None) -> int:
     """Run cmd with its output in log_path; echo the progress lines."""
     t = time.time()
@@ -277,7 +301,9 @@ def _run_hpcrl(args: argparse.Namespace, tmp: str, overrides: list[str], env: di
     cmd = [os.path.join(REPO, ".venv", "bin", "hpcrl"), "run", CONFIG, *overrides]
     print("[bench] hpcrl: " + " ".join(cmd[1:]), flush=True)
     t = time.time()
+    load = LoadSampler()
     rc = _stream(cmd, os.path.join(tmp, "hpcrl.log"), "hpcrl", env, args.timeout)
+    load = load.stop()
     wall = time.time() - t
     if rc != 0:
         print(open(os.path.join(tmp, "hpcrl.log")).read()[-4000:])
@@ -294,8 +320,10 @@ def _run_hpcrl(args: argparse.Namespace, tmp: str, overrides: list[str], env: di
         out.append({"step": m["step"], "time_s": step_s - m.get("time/validate", 0.0),
                     "tokens": m["throughput/tokens_per_s"] * step_s, "reward_mean": m["reward/mean"],
                     "acc": m.get("reward/acc", float("nan")), "response_length_mean": m["response_length/mean"],
-                    "validate_s": m.get("time/validate", 0.0)})
-    return {"steps": out, "val_before": val[0], "val_after": val[args.steps], "wall_s": wall}
+                    "validate_s": m.get("time/validate", 0.0),
+                    "phases": {k[5:]: v for k, v in m.items() if k.startswith("time/") and k not in
+                               ("time/step", "time/validate", "time/to_training")}})
+    return {"steps": out, "val_before": val[0], "val_after": val[args.steps], "wall_s": wall, "load": load}
 
 
 def _run_trl(args: argparse.Namespace, tmp: str, prepared: dict, env: dict) -> dict:
@@ -311,14 +339,17 @@ def _run_trl(args: argparse.Namespace, tmp: str, prepared: dict, env: dict) -> d
     cmd = [args.trl_python, os.path.abspath(__file__), "--trl-child", spec_path, out_path]
     print(f"[bench] TRL: {args.trl_python} (GRPOTrainer, {args.trl_threads} torch threads)", flush=True)
     t = time.time()
+    load = LoadSampler()
     rc = _stream(cmd, os.path.join(tmp, "trl.log"), "trl", {**env, "OMP_NUM_THREADS": str(args.trl_threads)},
                  args.timeout)
+    load = load.stop()
     if rc != 0:
         print(open(os.path.join(tmp, "trl.log")).read()[-4000:])
         raise SystemExit(f"bench: TRL run failed (exit {rc})")
     with open(out_path) as f:
         res = json.load(f)
     res["wall_s"] = time.time() - t
+    res["load"] = load
     return res
 
 
@@ -334,8 +365,9 @@ def _report(args: argparse.Namespace, h: dict, r: dict, load: tuple[float, float
           f"of {args.mini_batch} per step, max_new_tokens {args.max_new_tokens}, lr {args.lr:g}")
     print(f"hpcrl: {args.workers} CPU workers (Megatron-core + vLLM), fp32 | TRL {v['trl']} GRPOTrainer, "
           f"transformers {v['transformers']}, torch {v['torch']}, {r['threads']} threads, fp32")
-    print(f"machine: {os.cpu_count()} cores, load average {load[0]:.1f} at start, {load[1]:.1f} at end "
-          "(shared machine: times are noisy)")
+    print(f"machine: {os.cpu_count()} cores, shared; 1-min load average while hpcrl ran: mean {h['load']['mean']:.1f} "
+          f"(max {h['load']['max']:.1f}), while TRL ran: mean {r['load']['mean']:.1f} (max {r['load']['max']:.1f}); "
+          f"{load[0]:.1f} at start, {load[1]:.1f} at end. Times are noisy.")
     if r["prompt_ids_mismatched"]:
         print(f"WARNING: {r['prompt_ids_mismatched']} prompts tokenize differently under TRL's transformers")
     print("\nper-step training rollouts (mean over the step's samples; reward = acc + "
@@ -357,8 +389,8 @@ def _report(args: argparse.Namespace, h: dict, r: dict, load: tuple[float, float
     print(f"{'before training':24}{hb:10.3f}{tb:10.3f}")
     print(f"{f'after {args.steps} steps':24}{ha:10.3f}{ta:10.3f}")
     print(f"{'gain':24}{ha - hb:+10.3f}{ta - tb:+10.3f}")
-    print(f"{'val reward before/after':24}{h['val_before']['reward_mean']:5.3f}/{h['val_after']['reward_mean']:.3f}"
-          f"{r['val_before']['reward_mean']:6.3f}/{r['val_after']['reward_mean']:.3f}")
+    print(f"{'mean val reward before':24}{h['val_before']['reward_mean']:10.3f}{r['val_before']['reward_mean']:10.3f}")
+    print(f"{'mean val reward after':24}{h['val_after']['reward_mean']:10.3f}{r['val_after']['reward_mean']:10.3f}")
 
     print("\nthroughput: (prompt + generated) tokens / training-step wall time (no loading, start-up or validation)")
     print(f"{'':32}{'hpcrl':>10}{'TRL':>10}{'ratio':>9}")
@@ -370,6 +402,12 @@ def _report(args: argparse.Namespace, h: dict, r: dict, load: tuple[float, float
     ts_h, ts_r = sum(x["time_s"] for x in h["steps"]), sum(x["time_s"] for x in r["steps"])
     print(f"{'training time (s)':32}{ts_h:10.1f}{ts_r:10.1f}")
     print(f"{'whole run incl. start-up (s)':32}{h['wall_s']:10.1f}{r['wall_s']:10.1f}")
+    for name, side in (("hpcrl", h), ("TRL", r)):
+        phases: dict[str, float] = {}
+        for x in side["steps"]:
+            for key, v in x["phases"].items():
+                phases[key] = phases.get(key, 0.0) + v
+        print(f"{name} time by phase (s, all steps): " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
     print(f"(TRL's own step_time metric sums to {r['trl_logged_step_time_sum']:.1f} s; TRL counted "
           f"{r['trl_logged_num_tokens']} tokens, hpcrl {sum(x['tokens'] for x in h['steps']):.0f})")
 
@@ -381,8 +419,10 @@ def _report(args: argparse.Namespace, h: dict, r: dict, load: tuple[float, float
     print(f"  (with {args.steps} steps and {k} validation prompts one answer is {1 / k:.3f} of accuracy: "
           "small runs are noisy; scale with --steps / --val-samples)")
     print("\nsettings that differ (could not be removed):")
+    import transformers
+
     for line in DIFFERENCES:
-        print(f"  - {line}")
+        print(f"  - {line}".format(hpcrl_tf=transformers.__version__, trl_tf=v["transformers"]))
 
 
 def main() -> None:
