@@ -5,7 +5,8 @@
 #   tools/bench_packing.py     packed vs padded Megatron updates
 #   tools/bench_learning.py    GRPO learning curves + tokens/s vs TRL's GRPOTrainer (TRL in .venv-trl)
 # BENCH_LEARNING_ARGS: extra flags for bench_learning.py (e.g. "--steps 10 --val-samples 64");
-# BENCH_LEARNING=0 skips it (it is the long one: ~1 h at the defaults on 2 busy cores).
+# BENCH_LEARNING=0 skips it (the long one: --steps 3 --val-samples 16 took 22 min on 2 busy cores;
+# the defaults, 5 steps and 32 prompts, need about twice that).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RAY_VENV=${RAY_VENV:-.venv-ray}
