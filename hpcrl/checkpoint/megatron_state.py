@@ -88,7 +88,8 @@ def engine_state(engine: Any, role: str, model_path: str, copy: bool) -> ShardSt
     if engine.optimizer is not None:
         groups = engine.optimizer.param_groups
         if len(groups) != 1:
-            raise NotImplementedError(f"{len(groups)} optimizer param groups; the engine builds one")
+            raise ValueError(f"{len(groups)} optimizer param groups: checkpoints hold the single group "
+                             "MegatronEngine builds (AdamW over all parameters)")
         opt_params = groups[0]["params"]
         per_element: set[str] = set()
         scalar: set[str] = set()
@@ -376,7 +377,8 @@ def converted_tensors(engine: Any, saved: SavedRole) -> dict[str, torch.Tensor]:
     if engine.optimizer is not None and opt:
         for k in opt["scalar"]:
             if k != "step" or opt["step"] is None:
-                raise NotImplementedError(f"optimizer state {k!r} cannot be moved to another layout")
+                raise ValueError(f"optimizer state {k!r} is a per-parameter scalar other than AdamW's step: "
+                                 "it cannot be moved to another layout; load the checkpoint at its saved layout")
             for n in names:
                 out[f"step{SEP}{n}"] = torch.tensor(opt["step"], dtype=getattr(torch, opt["step_dtype"]))
     return out

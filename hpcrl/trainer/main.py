@@ -179,11 +179,4 @@ def main() -> int:
     log.info("hpcrl run %s: %s (Slurm job %s, restart %s)", cfg.trainer.experiment, run_dir,
              os.environ.get("SLURM_JOB_ID", "-"), restarts)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    if os.environ.get("SLURM_JOB_ID"):
-        try:
-            from hpcrl.launch.jobs import register_job
-
-            register_job(os.environ.get("SLURM_HET_JOB_ID") or os.environ["SLURM_JOB_ID"], str(run_dir.resolve()))
-        except ImportError:
-            pass
     return train(cfg)
