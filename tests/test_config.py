@@ -176,3 +176,22 @@ def test_cli_plan() -> None:
     assert r.returncode == 0 and "MPI world of 257" in r.stdout and "critic      TP=8 PP=4 DP=8" in r.stdout
     r = run([HPCRL, "plan", "configs/ppo_70b.yaml"])  # the 70B model is not on this machine
     assert r.returncode == 2 and "model.path=" in r.stderr
+
+
+@pytest.mark.parametrize("key", ["trainer.workers_per_node", "trainer.nnodes"])
+def test_zero_workers_exits_2_naming_the_key(key: str) -> None:
+    r = run([HPCRL, "config", TINY, f"{key}=0"])
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert f"{key}=0: must be >= 1" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_kl_loss_with_zero_coefficient_builds_no_reference() -> None:
+    from hpcrl.config import reference_enabled
+
+    assert reference_enabled(load_config(TINY, ["actor.use_kl_loss=true", "actor.kl_loss_coef=0.01"]))
+    assert not reference_enabled(load_config(TINY, ["actor.use_kl_loss=true", "actor.kl_loss_coef=0"]))
+    assert "reference" not in role_layouts(load_config(TINY, ["actor.use_kl_loss=true", "actor.kl_loss_coef=0"]))
+
+
+def test_training_temperature_must_be_positive() -> None:
+    assert any(p.startswith("rollout.temperature=0") and "> 0" in p for p in problems_of("rollout.temperature=0"))

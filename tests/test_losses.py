@@ -135,3 +135,43 @@ def test_token_weights_aggregate_losses_by_hand() -> None:
     assert (sm[2] == 0).all()
     with pytest.raises(ValueError, match="seq-sum"):
         token_weights(masks, "seq-sum")
+
+
+def test_k3_is_bounded_like_verl() -> None:
+    # a token the reference finds e^-30 times less likely: exp(30) - 31 would swamp the loss; the log
+    # ratio is cut to 20 and k3 to 10. The other way round k3 = e^-20 + 19 is cut to 10 as well.
+    lp = torch.tensor([0.0, -30.0, -1.0])
+    ref = torch.tensor([-30.0, 0.0, -2.0])
+    k3 = kl_estimate(lp, ref, "k3")
+    assert k3[0].item() == 10.0 and k3[1].item() == 10.0
+    assert k3[2].item() == pytest.approx(math.exp(-1.0))  # inside the bounds: unchanged
+    # no overflow in the gradient either (exp of a huge log ratio would give inf * 0 = nan)
+    lp = torch.tensor([-200.0, -1.0], requires_grad=True)
+    kl_estimate(lp, torch.tensor([0.0, -2.0]), "k3").sum().backward()
+    assert torch.isfinite(lp.grad).all()
+
+
+def test_shuffled_minibatches_are_seeded_and_weighted_per_minibatch() -> None:
+    from hpcrl.controller.batch import Batch
+    from hpcrl.workers.batching import arrange_minibatches, minibatch_rows
+
+    b, n_mb, dp = 16, 2, 2
+    mask = torch.zeros(b, 6)
+    for i in range(b):
+        mask[i, 1:2 + i % 5] = 1  # 1..5 response tokens
+    batch = Batch({"row": torch.arange(b), "response_mask": mask})
+    rows = minibatch_rows(b, n_mb, shuffle_seed=3)
+    assert rows == minibatch_rows(b, n_mb, shuffle_seed=3)  # a function of the seed: the same on resume
+    assert rows != minibatch_rows(b, n_mb, shuffle_seed=4) and sorted(sum(rows, [])) == list(range(b))
+    assert rows[0] != list(range(8))  # not in rollout order
+    assert minibatch_rows(b, n_mb) == [list(range(8)), list(range(8, 16))]  # shuffle off
+    out = arrange_minibatches(batch, n_mb, dp, "token-mean", shuffle_seed=3)
+    # DP shard d holds part d of mini-batch 0, then part d of mini-batch 1; a rank cuts its shard
+    # into n_mb contiguous chunks: together the DP parts of chunk k are mini-batch k
+    shards = out["row"].chunk(dp)
+    for k in range(n_mb):
+        got = sorted(int(r) for s in shards for r in s.chunk(n_mb)[k])
+        assert got == sorted(rows[k])
+        # token-mean weights are normalised over the whole mini-batch (all DP parts together)
+        w = sum(float(out["loss_weight"][j].sum()) for j, r in enumerate(out["row"].tolist()) if r in rows[k])
+        assert w == pytest.approx(1.0)

@@ -405,8 +405,8 @@ def _report(args: argparse.Namespace, h: dict, r: dict, load: tuple[float, float
     for name, side in (("hpcrl", h), ("TRL", r)):
         phases: dict[str, float] = {}
         for x in side["steps"]:
-            for key, v in x["phases"].items():
-                phases[key] = phases.get(key, 0.0) + v
+            for key, secs in x["phases"].items():
+                phases[key] = phases.get(key, 0.0) + secs
         print(f"{name} time by phase (s, all steps): " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
     print(f"(TRL's own step_time metric sums to {r['trl_logged_step_time_sum']:.1f} s; TRL counted "
           f"{r['trl_logged_num_tokens']} tokens, hpcrl {sum(x['tokens'] for x in h['steps']):.0f})")

@@ -1,11 +1,19 @@
 #!/usr/bin/env bash
-# GPU smoke test of the Megatron path: CUDA, NCCL and (when it installs) the Transformer Engine
-# layer spec. Runs the Megatron checks of tests/test_megatron_engine.py with one worker per visible
-# GPU: log-probs vs HF (tiny Qwen2, SmolLM2-135M), packed vs padded, HF round trip, one update at
-# TP=1 PP=1 vs the largest layout that fits, the critic, and that the GPU path was taken.
+# GPU smoke test of the whole slice on the visible GPUs, in two parts:
+# 1. the Megatron checks of tests/test_megatron_engine.py with one worker per GPU: CUDA, NCCL and
+#    (when it installs) the Transformer Engine spec; log-probs vs HF (tiny Qwen2, SmolLM2-135M),
+#    packed vs padded, HF round trip, updates across layouts, the critic, and the independent
+#    reference PPO step (fp32 and bf16 with fp32 masters, T=0.7, 2 mini-batches x 2 epochs);
+# 2. with CUDA vLLM: a 3-step bf16 GRPO run on SmolLM2-135M (`hpcrl run configs/grpo_smollm2.yaml`,
+#    one worker per GPU): vLLM rollout, reshard with sleep/wake and trainer offload, then it prints
+#    the reshard time, rollout tokens/s and the rollout-vs-actor log-prob gap of every step.
+#    Without vLLM (it does not install offline, and its wheel is too big to carry) part 2 is
+#    skipped with a message.
+# The budget is 10 minutes on a fresh GPU machine, install included.
 #
 #   bash tools/gpu_smoke.sh            # builds .venv-gpu (CUDA torch from PyPI), models, data; then tests
-# Env: GPU_VENV (.venv-gpu), SKIP_TE=1 (do not try Transformer Engine), PYTHON (python3)
+# Env: GPU_VENV (.venv-gpu), SKIP_TE=1 (do not try Transformer Engine), SKIP_VLLM=1 (no part 2),
+#      PYTHON (python3)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${GPU_VENV:-.venv-gpu}
@@ -43,5 +51,31 @@ log "set-up took $((SECONDS - start)) s"
 "$VENV/bin/python" tools/build_smollm2.py --out models/smollm2-135m-instruct --cache models/.cache
 "$VENV/bin/python" tools/make_arith_data.py --out data/arith
 log "running the Megatron checks on $ngpu GPU worker(s)"
-HPCRL_TEST_WORKERS=$ngpu "$VENV/bin/python" -m pytest -v -rA tests/test_megatron_engine.py "$@"
+rc=0
+HPCRL_TEST_WORKERS=$ngpu "$VENV/bin/python" -m pytest -v -rA tests/test_megatron_engine.py "$@" || rc=$?
+log "Megatron checks: exit $rc after $((SECONDS - start)) s"
+if [[ ${SKIP_VLLM:-0} != 1 ]] && ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
+  log "installing vllm (CUDA) for the rollout part"
+  timeout 240 "${pip[@]}" install vllm || log "vLLM did not install"
+fi
+if [[ ${SKIP_VLLM:-0} != 1 ]] && "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
+  run_dir=runs/gpu-smoke-grpo
+  rm -rf "$run_dir"
+  log "GRPO: 3 bf16 steps on SmolLM2-135M, $ngpu GPU worker(s), rollout with sleep/wake and offload"
+  HF_HUB_OFFLINE=1 "$VENV/bin/hpcrl" run configs/grpo_smollm2.yaml model.dtype=bf16 trainer.device=cuda \
+    trainer.workers_per_node="$ngpu" trainer.total_steps=3 trainer.val_every=0 \
+    trainer.run_dir="$run_dir" checkpoint.save_every=0 logging.tensorboard=false || rc=$?
+  "$VENV/bin/python" - "$run_dir/metrics.jsonl" <<'PY' || rc=$?
+import json, sys
+for line in open(sys.argv[1]):
+    m = json.loads(line)
+    tps = m.get("throughput/rollout_tokens_per_s", 0.0)
+    print(f"[gpu-smoke] step {m['step']}: reshard {m.get('time/reshard', 0):.2f} s, rollout {tps:.0f} tokens/s, "
+          f"log-prob gap mean {m['rollout_actor_logprob_gap_mean']:.2e} max {m['rollout_actor_logprob_gap_max']:.2e}, "
+          f"step {m['time/step']:.1f} s")
+PY
+else
+  log "no vLLM: the rollout / GRPO part is skipped"
+fi
 log "total $((SECONDS - start)) s"
+exit "$rc"

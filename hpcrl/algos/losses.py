@@ -30,15 +30,18 @@ def ppo_policy_loss(logprob: torch.Tensor, old_logprob: torch.Tensor, advantages
 
 def kl_estimate(logprob: torch.Tensor, ref_logprob: torch.Tensor, kind: str = "k3") -> torch.Tensor:
     """Per-token estimators of KL(pi || ref) from samples of pi (Schulman, "Approximating KL
-    Divergence", 2020): k1 = log r, k2 = (log r)^2 / 2, k3 = (r' - 1) - log r' with r' = ref/pi."""
+    Divergence", 2020): k1 = log r, k2 = (log r)^2 / 2, k3 = (r' - 1) - log r' with r' = ref/pi.
+
+    k3 grows exponentially in log r': one token the reference finds very unlikely would dominate
+    the loss, so log r' is bounded to [-20, 20] and k3 to [-10, 10] (the bounds verl uses)."""
     log_ratio = logprob - ref_logprob
     if kind == "k1":
         return log_ratio
     if kind == "k2":
         return 0.5 * log_ratio.square()
     if kind == "k3":
-        neg = -log_ratio
-        return torch.exp(neg) - 1.0 - neg
+        neg = torch.clamp(-log_ratio, -20.0, 20.0)
+        return torch.clamp(torch.exp(neg) - 1.0 - neg, -10.0, 10.0)
     raise ValueError(f"unknown KL estimator {kind!r}: use k1, k2 or k3")
 
 

@@ -56,6 +56,9 @@ class ActorConfig:
     # Samples per optimizer step; a step's rollout batch is split into several mini-batches.
     ppo_mini_batch_size: int = 16
     ppo_epochs: int = 1
+    # Mini-batches are cut from a seeded shuffle of the step's samples (seed: trainer.seed and the
+    # step, so a resumed run cuts the same ones); false: in rollout order (prompt by prompt).
+    shuffle_minibatches: bool = True
     # Token budget of one packed micro-batch (sequence packing, no padding).
     micro_batch_tokens: int = 4096
     # false: the padded baseline, micro_batch_size whole sequences per micro-batch
@@ -86,6 +89,7 @@ class CriticConfig:
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     ppo_mini_batch_size: int = 16
     ppo_epochs: int = 1
+    shuffle_minibatches: bool = True  # as actor.shuffle_minibatches
     micro_batch_tokens: int = 4096
     packing: bool = True
     micro_batch_size: int = 4

@@ -41,7 +41,8 @@ RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     "critic.parallel.pipeline_parallel": (1, None, True),
     "rollout.tensor_parallel": (1, None, True),
     "rollout.n": (1, None, True),
-    "rollout.temperature": (0, None, True),
+    # > 0: the trainer's log-probs are those of softmax(logits / T) (greedy is for validation only)
+    "rollout.temperature": (0, None, False),
     "rollout.top_p": (0, 1, False),
     "rollout.max_new_tokens": (1, None, True),
     "rollout.gpu_memory_utilization": (0, 1, False),
@@ -107,7 +108,15 @@ def critic_enabled(cfg: DictConfig) -> bool:
 def reference_enabled(cfg: DictConfig) -> bool:
     if cfg.reference.enable is not None:
         return cfg.reference.enable
-    return bool(cfg.actor.use_kl_loss or cfg.algorithm.use_kl_in_reward)
+    # a KL loss with coefficient 0 changes nothing: no reference model, no reference forward
+    return bool(kl_loss_active(cfg) or cfg.algorithm.use_kl_in_reward)
+
+
+def kl_loss_active(cfg: Any) -> bool:
+    """The actor's loss has a KL term (use_kl_loss with a non-zero coefficient); cfg is the config
+    or its plain-dict form."""
+    actor = cfg["actor"]
+    return bool(actor["use_kl_loss"]) and float(actor["kl_loss_coef"]) != 0.0
 
 
 def role_layouts(cfg: DictConfig) -> dict[str, Layout]:
@@ -170,6 +179,8 @@ def _check_choices_and_ranges(cfg: DictConfig, problems: list[str]) -> None:
 
 def _check_layout(cfg: DictConfig, problems: list[str]) -> None:
     w = world_size(cfg)
+    if w < 1:
+        return  # trainer.nnodes / trainer.workers_per_node < 1: reported by the range check
     where = (f"the {w} workers (trainer.nnodes={cfg.trainer.nnodes} x "
              f"trainer.workers_per_node={cfg.trainer.workers_per_node})")
     roles = {"actor": cfg.actor.parallel}

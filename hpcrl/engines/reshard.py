@@ -85,9 +85,18 @@ class _Bucket:
     stage: int
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]  # of one TP rank's part (the same on every TP rank)
-    dtype: torch.dtype
+    # A bf16 model can hold fp32 tensors (megatron's torch-norm fallback keeps norms in fp32 on
+    # CPU), so each dtype of a bucket travels as its own flat buffer.
+    dtypes: tuple[torch.dtype, ...]
     bytes_per_tp_rank: int
     largest_unit_bytes: int  # full size (all TP parts) of its largest conversion unit
+
+    def by_dtype(self) -> list[tuple[torch.dtype, list[int]]]:
+        """(dtype, indices into names) of each flat buffer, in a fixed order."""
+        groups: dict[torch.dtype, list[int]] = {}
+        for i, d in enumerate(self.dtypes):
+            groups.setdefault(d, []).append(i)
+        return sorted(groups.items(), key=lambda kv: str(kv[0]))
 
 
 def plan_buckets(engine: MegatronEngine, bucket_bytes: int) -> list[_Bucket]:
@@ -122,9 +131,9 @@ def plan_buckets(engine: MegatronEngine, bucket_bytes: int) -> list[_Bucket]:
             cur_bytes += ub
         for group, umax in zip(groups, unit_max, strict=True):
             shapes = tuple(meta[stage][k][0] for k in group)
-            dtype = meta[stage][group[0]][1]
-            nbytes = sum(int(torch.Size(s).numel()) for s in shapes) * dtype.itemsize
-            buckets.append(_Bucket(stage, tuple(group), shapes, dtype, nbytes, umax))
+            dtypes = tuple(meta[stage][k][1] for k in group)
+            nbytes = sum(int(torch.Size(s).numel()) * d.itemsize for s, d in zip(shapes, dtypes, strict=True))
+            buckets.append(_Bucket(stage, tuple(group), shapes, dtypes, nbytes, umax))
     return buckets
 
 
@@ -178,32 +187,36 @@ def stream_hf_weights(engine: MegatronEngine, bucket_bytes: int, stats: ReshardS
     for i, b in enumerate(buckets):
         src_dp = i % engine.dp_size  # replicas of the stage take turns as the sender
         parts: list[dict[str, torch.Tensor]] = []
-        numel = b.bytes_per_tp_rank // b.dtype.itemsize
         for tp in range(engine.tp_size):
             src = _owner(engine, tp, src_dp, b.stage)
+            group = groups[(tp, src_dp, b.stage)]
             if b.stage == engine.pp_rank and tp == engine.tp_rank:
                 # this rank holds the part (as the sender or as a replica of it): no copy needed
-                flat = None
                 if rank == src:
-                    flat = torch.cat([own[k].reshape(-1) for k in b.names])
-                    live.add(numel * b.dtype.itemsize)
-                    dist.broadcast(flat, src=src, group=groups[(tp, src_dp, b.stage)])
-                    stats.bytes_sent_as_root += numel * b.dtype.itemsize
+                    for _, idx in b.by_dtype():
+                        flat = torch.cat([own[b.names[i]].reshape(-1) for i in idx])
+                        live.add(flat.numel() * flat.element_size())
+                        dist.broadcast(flat, src=src, group=group)
+                        stats.bytes_sent_as_root += flat.numel() * flat.element_size()
                 parts.append({k: own[k] for k in b.names})
                 continue
-            flat = torch.empty(numel, dtype=b.dtype)
-            live.add(numel * b.dtype.itemsize)
-            dist.broadcast(flat, src=src, group=groups[(tp, src_dp, b.stage)])
-            stats.bytes_received += numel * b.dtype.itemsize
-            views = flat.split([int(torch.Size(s).numel()) for s in b.shapes])
-            parts.append({k: v.view(s) for k, v, s in zip(b.names, views, b.shapes, strict=True)})
+            part: dict[str, torch.Tensor] = {}
+            for dtype, idx in b.by_dtype():
+                sizes = [int(torch.Size(b.shapes[i]).numel()) for i in idx]
+                flat = torch.empty(sum(sizes), dtype=dtype)
+                live.add(flat.numel() * flat.element_size())
+                dist.broadcast(flat, src=src, group=group)
+                stats.bytes_received += flat.numel() * flat.element_size()
+                for i, v in zip(idx, flat.split(sizes), strict=True):
+                    part[b.names[i]] = v.view(b.shapes[i])
+            parts.append({k: part[k] for k in b.names})
         hf = megatron_to_hf_partial(engine.arch, parts, b.stage, engine.pp_size, engine.spec)
         # conversion copies what it concatenates or splits; views of the inputs cost nothing
         inputs = {t.untyped_storage().data_ptr() for p in parts for t in p.values()}
         converted = sum(t.numel() * t.element_size() for t in hf.values()
                         if t.untyped_storage().data_ptr() not in inputs)
         live.add(converted)
-        del parts, flat
+        del parts
         if "model.embed_tokens.weight" in hf and engine.arch.tie_word_embeddings:
             hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
         stats.buckets += 1

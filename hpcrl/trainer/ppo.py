@@ -18,6 +18,7 @@ The estimators and losses are plain functions (hpcrl.algos); the algorithms diff
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import defaultdict
@@ -36,7 +37,7 @@ from hpcrl.config import critic_enabled, reference_enabled
 from hpcrl.controller import WorkerGroup
 from hpcrl.controller.batch import Batch
 from hpcrl.data import PromptDataset, PromptRow, ShuffledSampler, iterate_batches
-from hpcrl.engines.vllm.engine import SamplingSettings
+from hpcrl.engines.vllm.engine import SEED_SPACE, SamplingSettings
 from hpcrl.rewards import RewardInput, RewardScorer
 from hpcrl.workers.actor_rollout import ActorRolloutRole, generate, logprob_gap
 from hpcrl.workers.batching import arrange_minibatches
@@ -117,9 +118,20 @@ class PPOTrainer:
 
     # rollout -----------------------------------------------------------------------------------
     def _seed(self, step: int, round_: int = 0) -> int:
-        """Sampling seed of a step: per-prompt seeds derive from it, so a resumed run samples the
-        same completions as an uninterrupted one."""
-        return (int(self.cfg.trainer.seed) * 1_000_003 + step * 10_007 + round_ * 101) % (2**31 - 1)
+        """Sampling seed of a step's generation round: the per-sample seeds are seed + sample index
+        (SamplingSettings.seed), so each step and round starts at a hashed point of a 2^62 space
+        (their ranges of a few thousand seeds do not meet), and a resumed run samples the same
+        completions as an uninterrupted one."""
+        key = f"{int(self.cfg.trainer.seed)}/{step}/{round_}".encode()
+        return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") % SEED_SPACE
+
+    def _shuffle_seed(self, step: int, role: str) -> int | None:
+        """Seed of the step's mini-batch shuffle for a role (None: in rollout order); a function of
+        trainer.seed and the step only, so a resumed run cuts the same mini-batches."""
+        if not self.cfg[role].shuffle_minibatches:
+            return None
+        key = f"{int(self.cfg.trainer.seed)}/{step}/{role}/minibatches".encode()
+        return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") % SEED_SPACE
 
     def _responses(self, batch: Batch) -> tuple[list[list[int]], torch.Tensor]:
         """Generated token ids of every row and their lengths."""
@@ -245,7 +257,8 @@ class PPOTrainer:
         batch["advantages"] = advantages.float()
         if algo.use_kl_in_reward:
             metrics["actor/kl_coef"] = kl_coef
-            self.kl_ctrl.update(metrics["actor/kl"], n_steps=len(rows))
+            # the horizon of the adaptive controller (Ziegler et al.) is counted in samples
+            self.kl_ctrl.update(metrics["actor/kl"], n_steps=len(batch))
 
         samples = len(batch)
         if self.critic is not None:
@@ -253,16 +266,18 @@ class PPOTrainer:
             c = cfg.critic
             n_mb = samples // c.ppo_mini_batch_size
             with timer("update_critic"):
-                out = self.critic.update_critic(arrange_minibatches(batch, n_mb, self.dp_size, "token-mean"),
-                                                num_minibatches=n_mb, epochs=c.ppo_epochs)
+                arranged = arrange_minibatches(batch, n_mb, self.dp_size, "token-mean",
+                                               shuffle_seed=self._shuffle_seed(step, "critic"))
+                out = self.critic.update_critic(arranged, num_minibatches=n_mb, epochs=c.ppo_epochs)
             metrics.update({f"critic/{k}": v for k, v in out.items()})
             metrics["critic/values_mean"] = float(masked_mean(batch["old_values"], mask))
             metrics["critic/returns_mean"] = float(masked_mean(returns, mask))
         a = cfg.actor
         n_mb = samples // a.ppo_mini_batch_size
         with timer("update_actor"):
-            out = self.actor.update_actor(arrange_minibatches(batch, n_mb, self.dp_size, a.loss_agg_mode),
-                                          num_minibatches=n_mb, epochs=a.ppo_epochs)
+            arranged = arrange_minibatches(batch, n_mb, self.dp_size, a.loss_agg_mode,
+                                           shuffle_seed=self._shuffle_seed(step, "actor"))
+            out = self.actor.update_actor(arranged, num_minibatches=n_mb, epochs=a.ppo_epochs)
         metrics.update({f"actor/{k}": v for k, v in out.items()})
 
         step_s = time.perf_counter() - t0
@@ -277,6 +292,7 @@ class PPOTrainer:
             "data/epoch": float(self.sampler.state_dict()["epoch"]),
             "time/step": step_s, "throughput/tokens_per_s": all_tokens / step_s,
             "throughput/response_tokens_per_s": resp_tokens / step_s,
+            "throughput/rollout_tokens_per_s": resp_tokens / max(timer.seconds["generate"], 1e-9),
             **{f"time/{k}": v for k, v in timer.seconds.items()},
         })
         return metrics

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from hpcrl.algos.losses import kl_estimate, ppo_policy_loss, value_loss
+from hpcrl.config.validate import kl_loss_active
 from hpcrl.controller import Collect, Dispatch, Worker, register
 from hpcrl.controller.batch import Batch
 from hpcrl.engines.megatron.engine import EngineOptions, MegatronEngine, OptimSettings, init_model_parallel
@@ -46,6 +47,7 @@ class MegatronRole(Worker):
 
     def __init__(self, cfg: dict[str, Any], role: str = "actor", model_path: str | None = None):
         self.role = role
+        self.cfg = cfg
         section = cfg[role]
         # reference and critic default to the actor's layout (they are colocated with it)
         par = section.get("parallel") or cfg["actor"]["parallel"]
@@ -68,6 +70,9 @@ class MegatronRole(Worker):
         self.model_path = path
         self.section = section
         self.policy_loss = cfg["algorithm"]["policy_loss"]
+        # The actor's and the reference's log-probs are those of the distribution the rollout
+        # samples from, softmax(logits / T): ratios, KL and entropy then belong to that policy.
+        self.temperature = float(cfg["rollout"]["temperature"]) if role in ("actor", "reference") else 1.0
         self.engine = MegatronEngine(path, options, value_head=role == "critic", optim=optim)
 
     def parallel_coords(self) -> tuple[int, int, int]:
@@ -83,6 +88,10 @@ class MegatronRole(Worker):
         return {"spec": e.spec, "device": str(next(e.model.parameters()).device), "dtype": str(e.options.dtype),
                 "backend": dist.get_backend(), "tp": e.tp_size, "pp": e.pp_size, "dp": e.dp_size}
 
+    def set_temperature(self, temperature: float) -> None:
+        """The T of the log-probs' softmax(logits / T) (set from rollout.temperature; tests)."""
+        self.temperature = float(temperature)
+
     def set_packing(self, packing: bool, micro_batch_size: int = 4) -> None:
         """Switch between packed micro-batches and the padded baseline (benchmarks, tests)."""
         self.engine.options.packing = packing
@@ -93,7 +102,7 @@ class MegatronRole(Worker):
     def compute_logprob(self, batch: Batch) -> torch.Tensor | None:
         """Token-aligned log-probs [B, S] of the batch's tokens under this model."""
         seqs = sequences(batch)
-        lp = self.engine.compute_logprob(seqs)
+        lp = self.engine.compute_logprob(seqs, self.temperature)
         if lp is None or self.engine.tp_rank != 0:
             return None
         return to_token_aligned(lp, tuple(batch["input_ids"].shape))
@@ -120,7 +129,7 @@ class MegatronRole(Worker):
                 rows = idx.tolist()
                 history.append(self.engine.train_step(
                     [seqs_all[i] for i in rows], {k: [v[i] for i in rows] for k, v in label_fields.items()},
-                    loss_fn, need_entropy=need_entropy))
+                    loss_fn, need_entropy=need_entropy, temperature=self.temperature))
         out = {k: sum(h[k] for h in history) / len(history) for k in history[0]}
         out["optimizer_steps"] = float(len(history))
         return out
@@ -130,7 +139,7 @@ class MegatronRole(Worker):
         """PPO-family policy update. Fields: old_logprob, advantages, loss_weight (from
         arrange_minibatches), optional ref_logprob for the KL loss. Returns mini-batch means."""
         s = self.section
-        use_kl = bool(s["use_kl_loss"])
+        use_kl = kl_loss_active(self.cfg)
         fields = ["old_logprob", "advantages"] + (["ref_logprob"] if use_kl else [])
         dual_c = s["clip_ratio_c"] if self.policy_loss == "dual_clip" else None
         entropy_coeff = float(s["entropy_coeff"])
@@ -165,6 +174,27 @@ class MegatronRole(Worker):
             return (w * vl).sum(), {"vf_loss": (w * vl).sum(), "vf_clipfrac": (w * clipped.float()).sum()}
 
         return self._minibatch_steps(batch, num_minibatches, epochs, ["old_values", "returns"], loss_fn)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.NONE)
+    def record_gradients(self, on: bool = True) -> None:
+        """Keep every optimizer step's gradient (before clipping) for `recorded_gradients` (tests)."""
+        self.engine.record_grads = [] if on else None
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
+    def recorded_gradients(self) -> list[dict[str, torch.Tensor]] | None:
+        """HF-named gradients of each recorded step: from TP rank 0 of every stage of DP replica 0
+        (the controller merges the stages' dicts), None elsewhere. A TP collective."""
+        e = self.engine
+        steps = [e.export_hf_stage(g) for g in e.record_grads or []]
+        return steps if e.dp_rank == 0 and e.tp_rank == 0 else None
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
+    def hf_weights(self) -> dict[str, torch.Tensor] | None:
+        """The current weights HF-named (a critic's head as value_head.*), from TP rank 0 of every
+        stage of DP replica 0 (the controller merges the stages' dicts), None elsewhere."""
+        e = self.engine
+        stage = e.export_hf_stage(e.megatron_shard())
+        return stage if e.dp_rank == 0 and e.tp_rank == 0 else None
 
     # weights -----------------------------------------------------------------------------------
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.NONE)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # reference_ppo, the independent PPO step
 TINY = str(REPO / "models" / "tiny-qwen2")
 SMOLLM2 = str(REPO / "models" / "smollm2-135m-instruct")
 
@@ -116,6 +118,154 @@ def load_safetensors_dir(path: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def merged(per_rank: list) -> dict[str, torch.Tensor]:
+    """One dict from the stages' dicts a Collect.ALL method returned (None from the other ranks)."""
+    out: dict[str, torch.Tensor] = {}
+    for part in per_rank:
+        out.update(part or {})
+    return out
+
+
+def rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], keys: list[str] | None = None) -> float:
+    """||a - b|| / ||b|| over the named tensors taken together (fp32)."""
+    keys = sorted(b) if keys is None else keys
+    num = sum(float((a[k].float() - b[k].float()).square().sum()) for k in keys)
+    den = sum(float(b[k].float().square().sum()) for k in keys)
+    return (num / max(den, 1e-30)) ** 0.5
+
+
+def delta(after: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: after[k].float() - before[k].float() for k in after}
+
+
+# The reference-step cases: layout, dtype and the loss terms each exercises (together: every
+# aggregation mode, k1 and k3, dual clip, entropy, clip-higher; grad-norm clip is active in all).
+REFERENCE_CASES = [
+    {"layout": (1, 1), "dtype": "fp32", "agg": "token-mean", "kl": "k3", "dual_clip": True, "entropy": 0.01},
+    {"layout": (2, 1), "dtype": "fp32", "agg": "seq-mean-token-mean", "kl": "k1", "dual_clip": False,
+     "entropy": 0.0},
+    {"layout": (1, 2), "dtype": "fp32", "agg": "seq-mean-token-sum", "kl": "k3", "dual_clip": True, "entropy": 0.0},
+    {"layout": (2, 2), "dtype": "fp32", "agg": "token-mean", "kl": "k1", "dual_clip": True, "entropy": 0.01},
+    {"layout": (1, 1), "dtype": "bf16", "agg": "token-mean", "kl": "k3", "dual_clip": True, "entropy": 0.01},
+    {"layout": (2, 2), "dtype": "bf16", "agg": "seq-mean-token-mean", "kl": "k3", "dual_clip": True,
+     "entropy": 0.01},
+]
+REF_T, REF_LR, REF_CLIP_GRAD, REF_MINI, REF_EPOCHS, REF_SEED = 0.7, 1e-3, 1.0, 2, 2, 1234
+
+
+def reference_batch(n: int):
+    """Real text with a response part, old / reference log-probs near the model's at T (so the
+    ratio and the KL are non-trivial and the clip is active on some tokens), random advantages."""
+    from reference_ppo import logprobs
+    from transformers import AutoModelForCausalLM
+
+    b = text_batch(TINY, n)
+    hf = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+    lp = logprobs(hf, {k: b[k] for k in b.keys()}, REF_T)
+    g = torch.Generator().manual_seed(7)
+    shape = b["input_ids"].shape
+    b["old_logprob"] = lp - 0.3 * torch.rand(shape, generator=g) + 0.1
+    b["ref_logprob"] = lp - 0.5 * torch.randn(shape, generator=g).abs()
+    b["advantages"] = torch.randn(shape, generator=g)
+    b["old_values"] = 0.1 * torch.randn(shape, generator=g)
+    b["returns"] = torch.randn(shape, generator=g)
+    return b
+
+
+def reference_step_checks(workers: int, res: dict[str, Any], timed: Any) -> None:
+    """hpcrl's actor and critic updates (Megatron, every layout that fits, fp32 and bf16 with fp32
+    masters, T=0.7, 2 mini-batches x 2 epochs, shuffled mini-batches) against the independent
+    plain-PyTorch step of tests/programs/reference_ppo.py on the HF model: the gradient of every
+    optimizer step before clipping, and the weight change after all steps."""
+    import reference_ppo
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.controller import WorkerGroup
+    from hpcrl.workers.batching import arrange_minibatches, minibatch_rows
+    from hpcrl.workers.megatron_roles import MegatronRole
+
+    batch = reference_batch(8)
+    plain = {k: batch[k] for k in batch.keys()}
+    rows = minibatch_rows(len(batch), REF_MINI, REF_SEED) * REF_EPOCHS
+    w0 = load_safetensors_dir(TINY)
+    res["reference_step"] = {}
+    for case in REFERENCE_CASES:
+        tp, pp = case["layout"]
+        if workers % (tp * pp):
+            continue
+        t0 = time.time()
+        name = f"{case['dtype']}-{tp}x{pp}"
+        bf16 = case["dtype"] == "bf16"
+        cfg = make_cfg(TINY, tp, pp, entropy_coeff=case["entropy"], ppo_mini_batch_size=len(batch) // REF_MINI,
+                       ppo_epochs=REF_EPOCHS, loss_agg_mode=case["agg"], use_kl_loss=True, kl_loss_coef=0.1,
+                       kl_loss_type=case["kl"], clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
+        cfg["actor"]["optim"].update(lr=REF_LR, clip_grad=REF_CLIP_GRAD, weight_decay=0.01)
+        cfg["model"]["dtype"] = case["dtype"]
+        cfg["rollout"]["temperature"] = REF_T
+        cfg["algorithm"]["policy_loss"] = "dual_clip" if case["dual_clip"] else "ppo_clip"
+        actor = WorkerGroup(MegatronRole, init_kwargs={"cfg": cfg, "role": "actor"}, name=f"ref-{name}")
+        actor.record_gradients(True)
+        arranged = arrange_minibatches(copy.copy(batch), REF_MINI, actor.layout.dp_size, case["agg"],
+                                       shuffle_seed=REF_SEED)
+        metrics = actor.update_actor(arranged, num_minibatches=REF_MINI, epochs=REF_EPOCHS)
+        steps = [merged(list(s)) for s in zip(*[r for r in actor.recorded_gradients() if r is not None])]
+        got = merged(actor.hf_weights())
+
+        hf = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.bfloat16 if bf16 else torch.float32)
+        o = cfg["actor"]["optim"]
+        ref = reference_ppo.actor_update(
+            hf, plain, rows, temperature=REF_T, clip_low=0.2, clip_high=0.28,
+            dual_clip_c=3.0 if case["dual_clip"] else None, kl_type=case["kl"], kl_coef=0.1,
+            entropy_coeff=case["entropy"], loss_agg_mode=case["agg"], lr=REF_LR,
+            betas=(o["adam_beta1"], o["adam_beta2"]), eps=o["adam_eps"], weight_decay=0.01,
+            clip_grad=REF_CLIP_GRAD, masters_fp32=bf16)
+        keys = sorted(ref["grads"][0])
+        ref_w = ref["model_weights"]  # bf16 weights in the bf16 case: hpcrl's export is its bf16 model
+        res["reference_step"][name] = {
+            "case": {**case, "layout": f"{tp}x{pp}"}, "optimizer_steps": metrics["optimizer_steps"],
+            "same_names": sorted(steps[0]) == keys and sorted(got) == sorted(ref_w),
+            "grad_rel": [rel_diff(g, r, keys) for g, r in zip(steps, ref["grads"], strict=True)],
+            "grad_norms": ref["grad_norms"],
+            "update_rel": rel_diff(delta(got, w0), delta(ref_w, w0)),
+            "update_size": rel_diff(ref_w, w0),  # |w_ref - w0| / |w0|: how far the step moved
+        }
+        timed(f"reference step {name}", t0)
+
+    # the critic: clipped value loss, zero-initialised head, fp32 at the largest layout
+    tp, pp = max((lay for lay in [(1, 1), (2, 1), (1, 2), (2, 2)] if workers % (lay[0] * lay[1]) == 0),
+                 key=lambda lay: lay[0] * lay[1])
+    t0 = time.time()
+    cfg = make_cfg(TINY, tp, pp)
+    cfg["critic"].update(parallel={"tensor_parallel": tp, "pipeline_parallel": pp, "data_parallel": None},
+                         ppo_mini_batch_size=len(batch) // REF_MINI, ppo_epochs=REF_EPOCHS, cliprange_value=0.2)
+    cfg["critic"]["optim"].update(lr=REF_LR, clip_grad=REF_CLIP_GRAD, weight_decay=0.01)
+    critic = WorkerGroup(MegatronRole, init_kwargs={"cfg": cfg, "role": "critic"}, name=f"ref-critic-{tp}x{pp}")
+    critic.record_gradients(True)
+    arranged = arrange_minibatches(copy.copy(batch), REF_MINI, critic.layout.dp_size, "token-mean",
+                                   shuffle_seed=REF_SEED)
+    metrics = critic.update_critic(arranged, num_minibatches=REF_MINI, epochs=REF_EPOCHS)
+    steps = [merged(list(s)) for s in zip(*[r for r in critic.recorded_gradients() if r is not None])]
+    got = merged(critic.hf_weights())
+    hf = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+    o = cfg["critic"]["optim"]
+    h = hf.config.hidden_size
+    ref = reference_ppo.critic_update(hf, torch.zeros(1, h), torch.zeros(1), plain, rows, cliprange_value=0.2,
+                                      lr=REF_LR, betas=(o["adam_beta1"], o["adam_beta2"]), eps=o["adam_eps"],
+                                      weight_decay=0.01, clip_grad=REF_CLIP_GRAD)
+    keys = sorted(ref["grads"][0])
+    base = [k for k in keys if not k.startswith("value_head.")]
+    w0c = {**w0, "value_head.weight": torch.zeros(1, h), "value_head.bias": torch.zeros(1)}
+    res["reference_critic"] = {
+        "layout": f"{tp}x{pp}", "optimizer_steps": metrics["optimizer_steps"],
+        "same_names": sorted(steps[0]) == keys and sorted(got) == sorted(ref["weights"]),
+        "grad_rel": [rel_diff(g, r, keys) for g, r in zip(steps, ref["grads"], strict=True)],
+        "update_rel": rel_diff(delta(got, w0c), delta(ref["weights"], w0c)),
+        "base_update_rel": rel_diff(delta(got, w0c), delta(ref["weights"], w0c), base),
+        "vf_clipfrac": metrics.get("vf_clipfrac"),
+    }
+    timed(f"reference critic {tp}x{pp}", t0)
+
+
 def main() -> None:
     from hpcrl.controller import WorkerGroup, get_runtime
     from hpcrl.workers.batching import arrange_minibatches
@@ -132,6 +282,12 @@ def main() -> None:
     def timed(name: str, t0: float) -> None:
         res["timings"][name] = round(time.time() - t0, 1)
         print(f"[megatron_checks] {name}: {res['timings'][name]} s", flush=True)
+
+    # 0. the independent reference PPO step (HPCRL_CHECKS=reference runs only this part)
+    reference_step_checks(workers, res, timed)
+    if os.environ.get("HPCRL_CHECKS") == "reference":
+        Path(out_path).write_text(json.dumps(res, indent=1))
+        return
 
     # 1. log-probs vs HF, every layout, tiny model; packed vs padded at TP=2 PP=2
     batch = text_batch(TINY, 8)

@@ -191,8 +191,29 @@ def main() -> None:
         "unchanged_without_stop": unchanged, "rows_stopped_run": len(stopped),
         "stopped_shorter": int(stopped["response_mask"].sum()) < int(sampled["response_mask"].sum()),
     }
+    # temperature 0.7: vLLM's processed log-probs (of the distribution that sampled) against the
+    # actor's at the same T, and against the actor's raw T=1 log-probs (what hpcrl compared before)
+    t0 = time.time()
+    warm = SamplingSettings(n=4, temperature=0.7, max_new_tokens=16, seed=11)
+    sampled = generate(group, prompts[:8], warm)
+    group.set_temperature(0.7)
+    lp_t = group.compute_logprob(sampled)
+    group.set_temperature(1.0)
+    lp_1 = group.compute_logprob(sampled)
+    res["temperature"] = {"t": 0.7, "tokens": int(sampled["response_mask"].sum()),
+                          "gap": logprob_gap(sampled["rollout_logprob"], lp_t, sampled["response_mask"], step=0),
+                          "gap_actor_at_t1": logprob_gap(sampled["rollout_logprob"], lp_1, sampled["response_mask"],
+                                                         step=0)}
+    # random streams: two copies of one prompt and n=2. Each sample has its own stream, so no two of
+    # the copies' samples agree (with per-prompt seeds s + i and vLLM's s + j for sample j, sample 1
+    # of the first copy replayed sample 0 of the second)
+    dup = generate(group, [prompts[0], prompts[0], prompts[1]], SamplingSettings(n=2, temperature=1.0,
+                                                                               max_new_tokens=16, seed=5))
+    comps = [tuple(dup["input_ids"][i, :int(dup["attention_mask"][i].sum())].tolist()) for i in range(len(dup))]
+    res["streams"] = {"rows": len(comps), "distinct_of_first_prompt": len(set(comps[:4])),
+                      "min_len": int(dup["response_mask"].sum(-1).min())}
     group.close_rollout()
-    timed("sampling", t0)
+    timed("temperature and streams", t0)
 
     # 2. tiny: Megatron TP=2 PP=2 -> rollout TP=2 (2 vLLM replicas of 2 ranks)
     t0 = time.time()

@@ -147,13 +147,41 @@ class MegatronEngine:
         # bf16 weights get fp32 master copies for the optimizer (as megatron's mixed-precision
         # optimizer does): Adam's small updates vanish when added to bf16 weights directly.
         self.master: list[torch.nn.Parameter] | None = None
+        # Gradients of the last train_step before clipping, HF-named per step, when a test asks
+        # (`record_grads = []`): the reference-step tests compare them with an independent PPO step.
+        self.record_grads: list[dict[str, torch.Tensor]] | None = None
         if optim is not None:
             params = list(self.model.parameters())
             if self.options.dtype != torch.float32:
                 self.master = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
+                self._add_fp32_grad_buffers(params)
                 params = self.master
             self.optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, eps=optim.eps,
                                                weight_decay=optim.weight_decay)
+
+    def _add_fp32_grad_buffers(self, params: list[torch.nn.Parameter]) -> None:
+        """Low-precision models sum their micro-batch gradients into fp32 `main_grad` buffers (as
+        megatron's DDP does): each backward's bf16 gradient is added once and dropped, so rounding
+        does not compound over micro-batches, and the masters step with an fp32 gradient."""
+        def accumulate(p: torch.nn.Parameter) -> None:
+            p.main_grad.add_(p.grad)
+            p.grad = None
+
+        for p in params:
+            p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+            p.register_post_accumulate_grad_hook(accumulate)
+
+    def _grad(self, p: torch.nn.Parameter) -> torch.Tensor | None:
+        """The gradient the optimizer steps with: fp32 `main_grad` with masters, else `.grad`."""
+        return p.main_grad if self.master is not None else p.grad
+
+    def _zero_grads(self) -> None:
+        """Clear the model's gradients (not only the optimizer's parameters: with masters those
+        are the fp32 copies, and a stale model gradient would be added into the next step)."""
+        for p in self.model.parameters():
+            p.grad = None
+            if self.master is not None:
+                p.main_grad.zero_()
 
     # weights -----------------------------------------------------------------------------------
     def load_hf(self, model_path: str) -> None:
@@ -182,20 +210,30 @@ class MegatronEngine:
     def megatron_shard(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
 
-    def export_hf_stage(self) -> dict[str, torch.Tensor] | None:
-        """Gather the TP shards of this pipeline stage; TP rank 0 gets the stage's HF tensors."""
+    def export_hf_stage(self, tensors: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor] | None:
+        """Gather the TP shards of this pipeline stage; TP rank 0 gets the stage's HF tensors.
+
+        `tensors` (Megatron-named, laid out like the shard: e.g. recorded gradients) replaces the
+        weights; a critic's value head comes back as value_head.weight / value_head.bias."""
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        mine = {k: v.detach().cpu() for k, v in self.megatron_shard().items() if not k.startswith("output_layer.")
+        source = self.megatron_shard() if tensors is None else tensors
+        head = {k.replace("output_layer.", "value_head."): v.detach().cpu() for k, v in source.items()
+                if self.value_head and k.startswith("output_layer.")}
+        mine = {k: v.detach().cpu() for k, v in source.items() if not k.startswith("output_layer.")
                 or not self.value_head}
         if self.tp_size == 1:
-            return megatron_to_hf(self.arch, [mine], self.pp_rank, self.pp_size, self.spec)
-        gathered: list[Any] = [None] * self.tp_size
-        dist.all_gather_object(gathered, mine, group=ps.get_tensor_model_parallel_group())
-        if self.tp_rank != 0:
-            return None
-        return megatron_to_hf(self.arch, gathered, self.pp_rank, self.pp_size, self.spec)
+            gathered = [mine]
+        else:
+            gathered = [None] * self.tp_size
+            dist.all_gather_object(gathered, mine, group=ps.get_tensor_model_parallel_group())
+            if self.tp_rank != 0:
+                return None
+        out = megatron_to_hf(self.arch, gathered, self.pp_rank, self.pp_size, self.spec)
+        if tensors is not None:
+            out.update(head)  # the weights' export (HF folders) has no place for a value head
+        return out
 
     # device memory -----------------------------------------------------------------------------
     def offload(self) -> bool:
@@ -220,6 +258,8 @@ class MegatronEngine:
         for p in self.model.parameters():
             p.data = to(p.data)
             p.grad = None  # gradients are dead between steps
+            if hasattr(p, "main_grad"):
+                p.main_grad = to(p.main_grad)
         for m in self.master or []:
             m.data = to(m.data)
         if self.optimizer is not None:
@@ -271,11 +311,14 @@ class MegatronEngine:
             forward_step_func=forward_step, data_iterator=iter(mbs), model=self.model,
             num_microbatches=len(mbs), seq_length=t, micro_batch_size=b, forward_only=forward_only)
 
-    def token_logprobs(self, logits: torch.Tensor, mb: PackedMicroBatch) -> torch.Tensor:
-        """log p(label) per position from vocab-parallel logits [B, T, V/TP] -> [B, T]."""
+    def token_logprobs(self, logits: torch.Tensor, mb: PackedMicroBatch, temperature: float = 1.0) -> torch.Tensor:
+        """log p(label) per position from vocab-parallel logits [B, T, V/TP] -> [B, T], under the
+        distribution softmax(logits / temperature): the one a rollout at that temperature samples."""
         from megatron.core import tensor_parallel
 
         logits = logits.float()
+        if temperature != 1.0:
+            logits = logits / temperature
         vocab_per_rank = logits.shape[-1]
         start = self.tp_rank * vocab_per_rank
         if start + vocab_per_rank > self.arch.vocab_size:  # padded vocab rows are not tokens
@@ -312,18 +355,22 @@ class MegatronEngine:
         return self._forward_collect(seqs, lambda output, mb: output[..., 0].float())
 
     @torch.no_grad()
-    def compute_logprob(self, seqs: list[torch.Tensor]) -> list[torch.Tensor] | None:
-        """Per-token log-probs of each sequence (entry t: log p(seq[t+1] | seq[:t+1])).
+    def compute_logprob(self, seqs: list[torch.Tensor], temperature: float = 1.0) -> list[torch.Tensor] | None:
+        """Per-token log-probs of each sequence (entry t: log p(seq[t+1] | seq[:t+1])) under
+        softmax(logits / temperature).
 
         Returned on the last pipeline stage (every TP rank of it); other stages return None."""
-        return self._forward_collect(seqs, self.token_logprobs)
+        return self._forward_collect(seqs, lambda output, mb: self.token_logprobs(output, mb, temperature))
 
-    def token_entropy(self, logits: torch.Tensor) -> torch.Tensor:
-        """Entropy of the full-vocabulary distribution per position from vocab-parallel logits."""
+    def token_entropy(self, logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """Entropy of softmax(logits / temperature) over the full vocabulary per position, from
+        vocab-parallel logits."""
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
         logits = logits.float()
+        if temperature != 1.0:
+            logits = logits / temperature
         vocab_per_rank = logits.shape[-1]
         start = self.tp_rank * vocab_per_rank
         if start + vocab_per_rank > self.arch.vocab_size:
@@ -342,15 +389,17 @@ class MegatronEngine:
     # training ----------------------------------------------------------------------------------
     def train_step(self, seqs: list[torch.Tensor], token_fields: dict[str, list[torch.Tensor]],
                    loss_fn: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]],
-                   need_entropy: bool = False) -> dict[str, float]:
+                   need_entropy: bool = False, temperature: float = 1.0) -> dict[str, float]:
         """One optimizer step over this rank's part of a mini-batch.
 
-        loss_fn(output, entropy, fields) gets per-token log-probs (actor) or values (critic) laid out
-        like labels, and returns (weighted loss sum, metric sums). The weights in `token_fields` are
-        normalised over the whole mini-batch, so gradients are summed (not averaged) over DP."""
+        loss_fn(output, entropy, fields) gets per-token log-probs (actor; under softmax(logits /
+        temperature)) or values (critic) laid out like labels, and returns (weighted loss sum,
+        metric sums). The weights in `token_fields` are normalised over the whole mini-batch, so
+        gradients are summed (not averaged) over DP."""
         assert self.optimizer is not None and self.optim is not None, "engine built without an optimizer"
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        self._zero_grads()
         mbs = self._micro_batches(seqs, token_fields)
 
         def micro_loss(output: torch.Tensor, mb: PackedMicroBatch):
@@ -358,8 +407,8 @@ class MegatronEngine:
                 out = output[..., 0].float()
                 entropy = None
             else:
-                out = self.token_logprobs(output, mb)
-                entropy = self.token_entropy(output) if need_entropy else None
+                out = self.token_logprobs(output, mb, temperature)
+                entropy = self.token_entropy(output, temperature) if need_entropy else None
             fields = {k: v.to(out.device) for k, v in mb.extra.items()}
             fields["label_mask"] = mb.label_mask.to(out.device)
             loss, metrics = loss_fn(out, entropy, fields)
@@ -368,12 +417,15 @@ class MegatronEngine:
 
         store = self._run(mbs, micro_loss, forward_only=False)
         self._finish_grads()
+        if self.record_grads is not None:
+            self.record_grads.append({n: self._grad(p).detach().float().clone()
+                                      for n, p in self.model.named_parameters()})
         grad_norm = self._clip_grads(self.optim.clip_grad)
         for group in self.optimizer.param_groups:
             group["lr"] = self.optim.lr * lr_factor(self.step_count, self.optim)
         if self.master is not None:
             for p, m in zip(self.model.parameters(), self.master):
-                m.grad = p.grad.float() if p.grad is not None else None
+                m.grad = p.main_grad  # fp32 already: the masters step with it, no copy
         self.optimizer.step()
         if self.master is not None:
             with torch.no_grad():
@@ -408,17 +460,17 @@ class MegatronEngine:
 
         params = [p for p in self.model.parameters() if p.requires_grad]
         for p in params:
-            if p.grad is None:
+            if self._grad(p) is None:
                 p.grad = torch.zeros_like(p)
         if self.dp_size > 1:
-            grads = [p.grad for p in params]
+            grads = [self._grad(p) for p in params]
             flat = _flatten_dense_tensors(grads)
             dist.all_reduce(flat, group=ps.get_data_parallel_group())
             for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=False):
                 g.copy_(synced)
         if self.arch.tie_word_embeddings and self.pp_size > 1 and ps.is_rank_in_embedding_group():
             w = self.model.shared_embedding_or_output_weight()
-            dist.all_reduce(w.grad, group=ps.get_embedding_group())
+            dist.all_reduce(self._grad(w), group=ps.get_embedding_group())
 
     def _clip_grads(self, max_norm: float) -> float:
         """Global L2 norm over the model's true parameters: TP shards summed over TP, replicated
@@ -431,9 +483,9 @@ class MegatronEngine:
         tied_copy = (self.model.output_layer.weight if self.arch.tie_word_embeddings and self.pp_size > 1
                      and not self.model.pre_process and self.model.post_process else None)
         for p in self.model.parameters():
-            if p.grad is None or p is tied_copy:
+            if self._grad(p) is None or p is tied_copy:
                 continue
-            sq = p.grad.detach().double().square().sum()
+            sq = self._grad(p).detach().double().square().sum()
             if getattr(p, "tensor_model_parallel", False):
                 sharded += sq
             else:
@@ -447,6 +499,6 @@ class MegatronEngine:
         if max_norm > 0 and norm > max_norm:
             scale = max_norm / (norm + 1e-6)
             for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
+                if self._grad(p) is not None:
+                    self._grad(p).mul_(scale)
         return norm

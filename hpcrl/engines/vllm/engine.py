@@ -34,7 +34,10 @@ class SamplingSettings:
     top_k: int = -1  # -1 (or 0): no top-k cut
     max_new_tokens: int = 256
     stop: list[str] = field(default_factory=list)
-    seed: int | None = None  # per-prompt seeds are seed + global prompt index (reproducible, TP-consistent)
+    # Sample j of the prompt with global index i draws from its own random stream, seeded
+    # seed + i * n + j: no two samples of one call share a stream, and the streams do not depend
+    # on how prompts are split over replicas (reproducible, TP-consistent).
+    seed: int | None = None
 
     @classmethod
     def from_rollout_config(cls, rollout: dict[str, Any], **overrides: Any) -> SamplingSettings:
@@ -45,12 +48,22 @@ class SamplingSettings:
 
 @dataclass
 class Completion:
-    """One sampled continuation: its tokens, the log-prob of each under the rollout policy (raw
-    model distribution, before temperature / top-k / top-p), and why it ended."""
+    """One sampled continuation: its tokens, the log-prob of each under the distribution it was
+    sampled from (vLLM's processed log-probs: after temperature, and top-k / top-p when set),
+    and why it ended."""
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+
+
+SEED_SPACE = 1 << 62
+
+
+def sample_seed(seed: int, prompt_index: int, sample: int, n: int) -> int:
+    """Seed of sample `sample` (of n) of the prompt with global index `prompt_index`: distinct for
+    every (prompt, sample) pair of one call, whatever the replica split."""
+    return (seed + prompt_index * n + sample) % SEED_SPACE
 
 
 class RolloutEngine:
@@ -75,6 +88,9 @@ class RolloutEngine:
             "model": model_path, "dtype": VLLM_DTYPES[dtype], "tensor_parallel_size": tensor_parallel,
             "distributed_executor_backend": "external_launcher", "seed": seed, "enforce_eager": True,
             "gpu_memory_utilization": gpu_memory_utilization,
+            # log-probs of the distribution that sampled (logits / temperature), which the trainer
+            # computes too: the logged rollout-vs-actor gap then compares like with like
+            "logprobs_mode": "processed_logprobs",
         }
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
@@ -100,23 +116,27 @@ class RolloutEngine:
         do not depend on how prompts were split over replicas."""
         from vllm import SamplingParams
 
-        params = []
-        for i in range(len(prompts)):
-            params.append(SamplingParams(
-                n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
-                top_k=sampling.top_k if sampling.top_k > 0 else 0, max_tokens=sampling.max_new_tokens,
-                stop=list(sampling.stop) or None, logprobs=0,
-                seed=None if sampling.seed is None else sampling.seed + first_index + i))
-        outs = self.llm.generate([{"prompt_token_ids": list(map(int, p))} for p in prompts], params,
-                                 use_tqdm=False)
-        result = []
-        for o in outs:
-            samples = []
-            for c in sorted(o.outputs, key=lambda c: c.index):
-                ids = list(c.token_ids)
-                lps = [float(d[t].logprob) for t, d in zip(ids, c.logprobs or [], strict=True)]
-                samples.append(Completion(ids, lps, str(c.finish_reason)))
-            result.append(samples)
+        # One request per sample, each with its own seed. (A request with n > 1 and seed s gives its
+        # sample j the stream s + j, so per-prompt seeds s + i made sample j of prompt i replay
+        # sample j - 1 of prompt i + 1.) The prompt's KV blocks are still shared through vLLM's
+        # prefix cache, as they would be for the children of an n > 1 request.
+        n = sampling.n
+        requests, params = [], []
+        for i, p in enumerate(prompts):
+            for j in range(n):
+                requests.append({"prompt_token_ids": list(map(int, p))})
+                params.append(SamplingParams(
+                    n=1, temperature=sampling.temperature, top_p=sampling.top_p,
+                    top_k=sampling.top_k if sampling.top_k > 0 else 0, max_tokens=sampling.max_new_tokens,
+                    stop=list(sampling.stop) or None, logprobs=0,
+                    seed=None if sampling.seed is None else sample_seed(sampling.seed, first_index + i, j, n)))
+        outs = self.llm.generate(requests, params, use_tqdm=False)
+        result: list[list[Completion]] = [[] for _ in prompts]
+        for k, o in enumerate(outs):
+            (c,) = o.outputs
+            ids = list(c.token_ids)
+            lps = [float(d[t].logprob) for t, d in zip(ids, c.logprobs or [], strict=True)]
+            result[k // n].append(Completion(ids, lps, str(c.finish_reason)))
         return result
 
     def prompt_logprobs(self, seqs: Sequence[Sequence[int]]) -> list[torch.Tensor]:
