@@ -46,6 +46,8 @@ def test_step_record(algo: str, request: pytest.FixtureRequest) -> None:
     assert max(s["rollout_actor_logprob_gap_max"] for s in steps) < 1e-3
     assert 0 < m["response_length/mean"] <= 16
     assert m["throughput/tokens_per_s"] > 0 and m["reward/errors"] == 0
+    # peak resident memory of the worker processes, per step (the tiny model: well under 5 GB)
+    assert all(0.2 < s["memory/rss_gb_mean"] <= s["memory/rss_gb_max"] < 5 for s in steps), steps[-1]
     if algo == "ppo":
         assert "critic/vf_loss" in m and "actor/kl" in m and "actor/kl_coef" in m
         assert steps[-1]["critic/vf_loss"] < steps[0]["critic/vf_loss"]

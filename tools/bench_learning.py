@@ -219,7 +219,8 @@ def _overrides(args: argparse.Namespace, run_dir: str) -> list[str]:
             "reward.function=builtin", f"reward.format_weight={args.format_weight}", "model.dtype=fp32",
             f"trainer.workers_per_node={args.workers}", "trainer.nnodes=1", "trainer.device=cpu",
             f"data.seed={args.seed}", f"trainer.seed={args.seed}", "checkpoint.save_every=0",
-            "logging.tensorboard=false", f"rollout.cpu_kv_cache_gib={args.kv_cache_gib}",
+            "logging.tensorboard=false",
+            f"rollout.cpu_kv_cache_gib={'null' if args.kv_cache_gib is None else args.kv_cache_gib}",
             f"actor.micro_batch_tokens={args.micro_batch_tokens}"]
 
 
@@ -443,8 +444,8 @@ def main() -> None:
     p.add_argument("--micro-batch-tokens", type=int, default=512,
                    help="hpcrl's packed micro-batch budget (memory only: the loss weights are per mini-batch); "
                         "at the config's 1024 a worker reached 8.9 GB in the update and was OOM-killed here")
-    p.add_argument("--kv-cache-gib", type=int, default=1,
-                   help="hpcrl's vLLM CPU KV cache per worker (memory only; 32 x 130 tokens need ~0.2 GiB)")
+    p.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="hpcrl's vLLM CPU KV cache per worker in GiB (default: sized to the step by hpcrl)")
     p.add_argument("--trl-threads", type=int, default=0, help="TRL torch threads (default: = --workers)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--trl-python", default=os.environ.get("TRL_PYTHON", os.path.join(REPO, ".venv-trl/bin/python")))

@@ -22,6 +22,10 @@ class ModelConfig:
     dtype: str = "auto"
     # Tokenizer folder when it is not beside the weights.
     tokenizer_path: str | None = None
+    # Attention of megatron's local layer spec (CPU; GPUs use Transformer Engine's): per_sequence
+    # (each packed sequence attends to itself, cost ~ sum of squared lengths) or dense (megatron's
+    # DotProductAttention with a block-diagonal mask, cost ~ squared micro-batch length).
+    local_attention: str = "per_sequence"
 
 
 @dataclass
@@ -59,6 +63,12 @@ class ActorConfig:
     # Mini-batches are cut from a seeded shuffle of the step's samples (seed: trainer.seed and the
     # step, so a resumed run cuts the same ones); false: in rollout order (prompt by prompt).
     shuffle_minibatches: bool = True
+    # Where the PPO ratio's old log-probs come from. auto: a separate actor forward, except when
+    # the update is on-policy (one mini-batch, one epoch, no KL in the reward), where the update's
+    # own detached log-probs are used (ratio 1: the same update, one forward less); recompute:
+    # always the separate forward; rollout: vLLM's processed log-probs (no forward). Without the
+    # separate forward the rollout-vs-actor gap is measured in the update's first forward.
+    old_logprob: str = "auto"
     # Token budget of one packed micro-batch (sequence packing, no padding).
     micro_batch_tokens: int = 4096
     # false: the padded baseline, micro_batch_size whole sequences per micro-batch
@@ -116,9 +126,10 @@ class RolloutConfig:
     top_k: int = -1
     max_new_tokens: int = 256
     stop: list[str] = field(default_factory=list)
-    # Device memory for weights + KV cache on GPU; KV-cache GiB on CPU (VLLM_CPU_KVCACHE_SPACE).
+    # Device memory for weights + KV cache on GPU; KV-cache GiB per worker on CPU (fractions allowed;
+    # null: sized to hold a step's samples, or a validation batch, of one replica at full length).
     gpu_memory_utilization: float = 0.5
-    cpu_kv_cache_gib: int = 1
+    cpu_kv_cache_gib: float | None = None
     # Size of one weight bucket pushed from the trainer layout into vLLM.
     weight_bucket_mb: int = 256
     # Passed through to vllm.LLM(...) as they are (e.g. enforce_eager, max_num_seqs).

@@ -19,10 +19,12 @@ from hpcrl.config.loader import ConfigError
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("auto", "fp32", "bf16"),
+    "model.local_attention": ("per_sequence", "dense"),
     "actor.optim.lr_schedule": ("constant", "cosine", "linear"),
     "critic.optim.lr_schedule": ("constant", "cosine", "linear"),
     "actor.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
     "actor.kl_loss_type": ("k1", "k2", "k3"),
+    "actor.old_logprob": ("auto", "recompute", "rollout"),
     "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus",
                                 "reinforce_plus_plus_baseline", "remax"),
     "algorithm.policy_loss": ("ppo_clip", "dual_clip", "clip_higher"),
@@ -46,7 +48,7 @@ RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     "rollout.top_p": (0, 1, False),
     "rollout.max_new_tokens": (1, None, True),
     "rollout.gpu_memory_utilization": (0, 1, False),
-    "rollout.cpu_kv_cache_gib": (1, None, True),
+    "rollout.cpu_kv_cache_gib": (0, None, False),
     "rollout.weight_bucket_mb": (1, None, True),
     "actor.ppo_mini_batch_size": (1, None, True),
     "actor.ppo_epochs": (1, None, True),

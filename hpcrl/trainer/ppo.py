@@ -6,7 +6,7 @@ One step, as the controller sees it (every call below runs SPMD on the worker gr
     batch = generate(actor, prompts)          # n samples per prompt (+ DAPO refills)
     scores = reward(batch)                    # rule-based / custom / reward model
     actor.enter_training()
-    old_logprob = actor.compute_logprob(batch)
+    old_logprob = actor.compute_logprob(batch)            # unless on-policy or from the rollout
     ref_logprob = reference.compute_logprob(batch)        # when a KL term is used
     values = critic.compute_values(batch)                 # gae
     advantages = estimator(scores, values, ...)
@@ -73,6 +73,15 @@ def pad_concat(batches: Sequence[Batch]) -> Batch:
     return Batch.concat(padded)
 
 
+def _by_key(per_rank: Sequence[dict[str, float]]) -> dict[str, list[float]]:
+    """{key: [value of each rank]} from one dict per rank."""
+    out: dict[str, list[float]] = defaultdict(list)
+    for d in per_rank:
+        for k, v in d.items():
+            out[k].append(v)
+    return out
+
+
 class PPOTrainer:
     """Builds the worker groups of a config and runs its training steps."""
 
@@ -106,8 +115,10 @@ class PPOTrainer:
 
             self.reward_model = WorkerGroup(RewardModelRole, init_kwargs={"cfg": self.plain}, name="reward_model")
         self.dp_size = self.actor.layout.dp_size
-        log.info("worker groups ready in %.1f s: %s", time.perf_counter() - t,
-                 ", ".join(g.name for g in self.groups()))
+        where = self.actor.describe()
+        log.info("worker groups ready in %.1f s: %s (actor rank 0: %s %s, %d torch thread(s), CPUs %s)",
+                 time.perf_counter() - t, ", ".join(g.name for g in self.groups()), where["device"],
+                 where["dtype"], where["torch_threads"], where["cpu_affinity"])
 
     def groups(self) -> list[WorkerGroup]:
         return [g for g in (self.actor, self.reference, self.critic, self.reward_model) if g is not None]
@@ -124,6 +135,15 @@ class PPOTrainer:
         completions as an uninterrupted one."""
         key = f"{int(self.cfg.trainer.seed)}/{step}/{round_}".encode()
         return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") % SEED_SPACE
+
+    def _old_logprob_source(self, samples: int) -> str:
+        """recompute (a separate actor forward), rollout (vLLM's log-probs) or current (on-policy:
+        the update's own forward, detached); see actor.old_logprob."""
+        a = self.cfg.actor
+        if a.old_logprob != "auto":
+            return a.old_logprob
+        on_policy = samples // a.ppo_mini_batch_size == 1 and a.ppo_epochs == 1
+        return "current" if on_policy and not self.algo.use_kl_in_reward else "recompute"
 
     def _shuffle_seed(self, step: int, role: str) -> int | None:
         """Seed of the step's mini-batch shuffle for a role (None: in rollout order); a function of
@@ -233,18 +253,23 @@ class PPOTrainer:
         with timer("to_training"):
             self.actor.enter_training()
 
-        with timer("old_logprob"):
-            batch["old_logprob"] = self.actor.compute_logprob(batch)
-        metrics.update(logprob_gap(batch["rollout_logprob"], batch["old_logprob"], mask, step))
+        old_source = self._old_logprob_source(len(batch))
+        if old_source == "recompute":
+            with timer("old_logprob"):
+                batch["old_logprob"] = self.actor.compute_logprob(batch, response_only=True)
+            metrics.update(logprob_gap(batch["rollout_logprob"], batch["old_logprob"], mask, step))
+        elif old_source == "rollout":
+            batch["old_logprob"] = batch["rollout_logprob"].clone()
+        # "current" (on-policy): no old_logprob field, the update uses its own forward's, detached
         if self.reference is not None:
             with timer("ref_logprob"):
-                batch["ref_logprob"] = self.reference.compute_logprob(batch)
+                batch["ref_logprob"] = self.reference.compute_logprob(batch, response_only=True)
         if self.critic is not None:
             with timer("values"):
                 batch["old_values"] = self.critic.compute_values(batch)
 
         kl = None
-        if self.reference is not None:
+        if self.reference is not None and algo.use_kl_in_reward:  # (the KL loss is the actor's own)
             kl = kl_estimate(batch["old_logprob"], batch["ref_logprob"], algo.kl_penalty) * mask
             metrics["actor/kl"] = float(masked_mean(kl, mask))
         kl_coef = self.kl_ctrl.value
@@ -277,9 +302,19 @@ class PPOTrainer:
         with timer("update_actor"):
             arranged = arrange_minibatches(batch, n_mb, self.dp_size, a.loss_agg_mode,
                                            shuffle_seed=self._shuffle_seed(step, "actor"))
+            if old_source == "recompute":  # the gap was measured by the separate forward
+                arranged.tensors.pop("rollout_logprob")
             out = self.actor.update_actor(arranged, num_minibatches=n_mb, epochs=a.ppo_epochs)
+        if "logprob_gap_tokens" in out:  # measured in the update's first forward
+            tokens, total, top = out.pop("logprob_gap_tokens"), out.pop("logprob_gap_sum"), out.pop("logprob_gap_max")
+            metrics.update({"rollout_actor_logprob_gap_mean": total / max(tokens, 1.0),
+                            "rollout_actor_logprob_gap_max": top})
         metrics.update({f"actor/{k}": v for k, v in out.items()})
 
+        # every worker process hosts an actor rank (the other roles are colocated with it)
+        for key, values in _by_key(self.actor.peak_memory()).items():
+            metrics[f"memory/{key}_max"] = max(values)
+            metrics[f"memory/{key}_mean"] = sum(values) / len(values)
         step_s = time.perf_counter() - t0
         resp_tokens = float(lengths.sum())
         all_tokens = float(batch["attention_mask"].sum())

@@ -33,6 +33,20 @@ from hpcrl.workers.megatron_roles import MegatronRole
 log = logging.getLogger(__name__)
 
 
+def cpu_kv_cache_gib_needed(arch: Any, cfg: dict[str, Any], dtype_bytes: int) -> float:
+    """KV cache (GiB per worker) that holds, at full length (max_prompt_length + max_new_tokens,
+    rounded up to vLLM's 128-token CPU blocks), every sample one rollout replica generates in a step,
+    or one validation batch's share, with a quarter to spare; at least 1/16 GiB. A bigger cache only
+    costs memory: vLLM queues what does not fit."""
+    r, d = cfg["rollout"], cfg["data"]
+    replicas = max(cfg["trainer"]["nnodes"] * cfg["trainer"]["workers_per_node"] // r["tensor_parallel"], 1)
+    seqs = max(-(-d["train_batch_size"] * r["n"] // replicas), -(-d["val_batch_size"] // replicas))
+    tokens = seqs * -(-(d["max_prompt_length"] + r["max_new_tokens"]) // 128) * 128
+    kv_heads = -(-arch.num_kv_heads // r["tensor_parallel"])
+    per_token = arch.num_layers * 2 * kv_heads * arch.head_dim * dtype_bytes
+    return max(1.25 * tokens * per_token / (1 << 30), 1 / 16)
+
+
 class ActorRolloutRole(MegatronRole):
     """A Megatron actor rank with a colocated vLLM engine built from the same model."""
 
@@ -44,9 +58,12 @@ class ActorRolloutRole(MegatronRole):
         # long enough for a prompt and its completion, and for teacher-forced checks of both
         engine_kwargs.setdefault("max_model_len", min(self.engine.arch.max_position_embeddings,
                                                       cfg["data"]["max_prompt_length"] + r["max_new_tokens"]))
+        kv_gib = r["cpu_kv_cache_gib"]
+        if kv_gib is None:
+            kv_gib = cpu_kv_cache_gib_needed(self.engine.arch, cfg, self.engine.options.dtype.itemsize)
         self.rollout = RolloutEngine(self.model_path, tensor_parallel=r["tensor_parallel"],
                                      dtype=self.engine.options.dtype, seed=cfg["trainer"]["seed"],
-                                     cpu_kv_cache_gib=r["cpu_kv_cache_gib"],
+                                     cpu_kv_cache_gib=kv_gib,
                                      gpu_memory_utilization=r["gpu_memory_utilization"],
                                      engine_kwargs=engine_kwargs)
 

@@ -20,8 +20,10 @@ from hpcrl.controller import Collect, Dispatch, Worker, register
 from hpcrl.controller.batch import Batch
 from hpcrl.engines.megatron.engine import EngineOptions, MegatronEngine, OptimSettings, init_model_parallel
 from hpcrl.workers.batching import sequences, to_label_aligned, to_token_aligned
+from hpcrl.workers.memory import peak_memory
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+FIRST_STEP_ONLY = "logprob_gap_"  # metrics of an update's first optimizer step (before any change)
 _layout_in_use: tuple[int, int] | None = None
 
 
@@ -54,7 +56,7 @@ class MegatronRole(Worker):
         _use_layout(par["tensor_parallel"], par["pipeline_parallel"], seed=cfg["trainer"]["seed"])
         trains = role in ("actor", "critic")
         src = section if trains else cfg["actor"]
-        options = EngineOptions(dtype=resolve_dtype(cfg["model"]["dtype"]),
+        options = EngineOptions(dtype=resolve_dtype(cfg["model"]["dtype"]), attention=cfg["model"]["local_attention"],
                                 micro_batch_tokens=src["micro_batch_tokens"], packing=src["packing"],
                                 micro_batch_size=src["micro_batch_size"])
         optim = None
@@ -82,11 +84,21 @@ class MegatronRole(Worker):
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
     def describe(self) -> dict[str, Any]:
         """What this role runs on: layer spec (local or Transformer Engine), device, dtype, backend."""
+        import os
+
         import torch.distributed as dist
 
         e = self.engine
         return {"spec": e.spec, "device": str(next(e.model.parameters()).device), "dtype": str(e.options.dtype),
-                "backend": dist.get_backend(), "tp": e.tp_size, "pp": e.pp_size, "dp": e.dp_size}
+                "backend": dist.get_backend(), "tp": e.tp_size, "pp": e.pp_size, "dp": e.dp_size,
+                # vLLM's CPU worker turns torch.set_num_threads into a no-op once it is built, so this
+                # stays what OMP_NUM_THREADS gave (hpcrl run: 1 per rank, every rank its own process)
+                "torch_threads": torch.get_num_threads(), "cpu_affinity": sorted(os.sched_getaffinity(0))}
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
+    def peak_memory(self, reset: bool = True) -> dict[str, float]:
+        """This worker process's peak memory (GB) since the last call: hpcrl.workers.memory."""
+        return peak_memory(reset)
 
     def set_temperature(self, temperature: float) -> None:
         """The T of the log-probs' softmax(logits / T) (set from rollout.temperature; tests)."""
@@ -99,10 +111,12 @@ class MegatronRole(Worker):
 
     # forward -----------------------------------------------------------------------------------
     @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP)
-    def compute_logprob(self, batch: Batch) -> torch.Tensor | None:
-        """Token-aligned log-probs [B, S] of the batch's tokens under this model."""
+    def compute_logprob(self, batch: Batch, response_only: bool = False) -> torch.Tensor | None:
+        """Token-aligned log-probs [B, S] of the batch's tokens under this model; response_only:
+        of the response tokens alone (0 elsewhere; the losses need no more)."""
         seqs = sequences(batch)
-        lp = self.engine.compute_logprob(seqs, self.temperature)
+        positions = ([m > 0 for m in to_label_aligned(batch, "response_mask", seqs)] if response_only else None)
+        lp = self.engine.compute_logprob(seqs, self.temperature, positions)
         if lp is None or self.engine.tp_rank != 0:
             return None
         return to_token_aligned(lp, tuple(batch["input_ids"].shape))
@@ -118,8 +132,10 @@ class MegatronRole(Worker):
 
     # updates -----------------------------------------------------------------------------------
     def _minibatch_steps(self, batch: Batch, num_minibatches: int, epochs: int, fields: list[str],
-                         loss_fn: Any, need_entropy: bool = False) -> dict[str, float]:
-        """Optimizer steps over this rank's shard, arranged by `arrange_minibatches`."""
+                         loss_fn: Any, need_entropy: bool = False, after_step: list[int] | None = None
+                         ) -> dict[str, float]:
+        """Optimizer steps over this rank's shard, arranged by `arrange_minibatches`. Metrics named
+        FIRST_STEP_ONLY* come from the first step alone (after_step[0] counts the steps taken)."""
         seqs_all = sequences(batch)
         label_fields = {k: to_label_aligned(batch, k, seqs_all) for k in [*fields, "loss_weight"]}
         chunks = torch.arange(len(batch)).chunk(num_minibatches)
@@ -130,27 +146,45 @@ class MegatronRole(Worker):
                 history.append(self.engine.train_step(
                     [seqs_all[i] for i in rows], {k: [v[i] for i in rows] for k, v in label_fields.items()},
                     loss_fn, need_entropy=need_entropy, temperature=self.temperature))
+                if after_step is not None:
+                    after_step[0] += 1
+        first = {k: history[0].pop(k) for k in list(history[0]) if k.startswith(FIRST_STEP_ONLY)}
         out = {k: sum(h[k] for h in history) / len(history) for k in history[0]}
+        out.update(first)
         out["optimizer_steps"] = float(len(history))
         return out
 
     @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.RANK0)
     def update_actor(self, batch: Batch, num_minibatches: int = 1, epochs: int = 1) -> dict[str, float]:
-        """PPO-family policy update. Fields: old_logprob, advantages, loss_weight (from
-        arrange_minibatches), optional ref_logprob for the KL loss. Returns mini-batch means."""
+        """PPO-family policy update. Fields: advantages, loss_weight (from arrange_minibatches),
+        old_logprob, optional ref_logprob for the KL loss. Returns mini-batch means.
+
+        Without old_logprob the update is on-policy (one mini-batch, one epoch: the caller checks):
+        the old log-probs are this forward's own, detached (ratio 1, the gradient of a separate
+        old-log-prob pass). With rollout_logprob, the first optimizer step also measures the
+        rollout-vs-actor gap on the response tokens (logprob_gap_sum / _tokens / _max)."""
         s = self.section
         use_kl = kl_loss_active(self.cfg)
-        fields = ["old_logprob", "advantages"] + (["ref_logprob"] if use_kl else [])
+        on_policy = "old_logprob" not in batch.keys()
+        measure_gap = "rollout_logprob" in batch.keys()
+        fields = (["advantages"] + ([] if on_policy else ["old_logprob"]) + (["ref_logprob"] if use_kl else [])
+                  + (["rollout_logprob"] if measure_gap else []))
         dual_c = s["clip_ratio_c"] if self.policy_loss == "dual_clip" else None
         entropy_coeff = float(s["entropy_coeff"])
+        steps_done = [0]  # optimizer steps taken in this call (the gap is measured before the first)
 
         def loss_fn(lp: torch.Tensor, ent: torch.Tensor | None, f: dict[str, torch.Tensor]):
             w = f["loss_weight"] * f["label_mask"]
-            pg, clipped = ppo_policy_loss(lp, f["old_logprob"], f["advantages"], s["clip_ratio_low"],
-                                          s["clip_ratio_high"], dual_c)
+            old = lp.detach() if on_policy else f["old_logprob"]
+            pg, clipped = ppo_policy_loss(lp, old, f["advantages"], s["clip_ratio_low"], s["clip_ratio_high"], dual_c)
             loss = (w * pg).sum()
             metrics = {"pg_loss": (w * pg).sum(), "pg_clipfrac": (w * clipped.float()).sum(),
-                       "ppo_kl": (w * (f["old_logprob"] - lp)).sum()}
+                       "ppo_kl": (w * (old - lp)).sum()}
+            if measure_gap and steps_done[0] == 0:
+                resp = (f["loss_weight"] > 0) & f["label_mask"].bool()
+                d = (lp.detach() - f["rollout_logprob"]).abs()[resp]
+                metrics.update({"logprob_gap_sum": d.double().sum(), "logprob_gap_tokens": torch.tensor(d.numel()),
+                                "logprob_gap_max": d.max() if d.numel() else torch.zeros(())})
             if use_kl:
                 kl = kl_estimate(lp, f["ref_logprob"], s["kl_loss_type"])
                 loss = loss + s["kl_loss_coef"] * (w * kl).sum()
@@ -161,7 +195,7 @@ class MegatronRole(Worker):
             return loss, metrics
 
         return self._minibatch_steps(batch, num_minibatches, epochs, fields, loss_fn,
-                                     need_entropy=entropy_coeff != 0.0)
+                                     need_entropy=entropy_coeff != 0.0, after_step=steps_done)
 
     @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.RANK0)
     def update_critic(self, batch: Batch, num_minibatches: int = 1, epochs: int = 1) -> dict[str, float]:

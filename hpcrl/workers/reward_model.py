@@ -31,8 +31,9 @@ class RewardModelRole(MegatronRole):
         self.model_path = model_path or cfg["reward"]["model_path"]
         self.section = a
         self.policy_loss = cfg["algorithm"]["policy_loss"]
-        options = EngineOptions(dtype=resolve_dtype(cfg["model"]["dtype"]), micro_batch_tokens=a["micro_batch_tokens"],
-                                packing=a["packing"], micro_batch_size=a["micro_batch_size"])
+        options = EngineOptions(dtype=resolve_dtype(cfg["model"]["dtype"]), attention=cfg["model"]["local_attention"],
+                                micro_batch_tokens=a["micro_batch_tokens"], packing=a["packing"],
+                                micro_batch_size=a["micro_batch_size"])
         self.engine = MegatronEngine(self.model_path, options, value_head=True)
         if self.engine.model.post_process:
             reader = SafetensorsReader(self.model_path)

@@ -144,6 +144,9 @@ REFERENCE_CASES = [
     {"layout": (1, 1), "dtype": "fp32", "agg": "token-mean", "kl": "k3", "dual_clip": True, "entropy": 0.01},
     {"layout": (2, 1), "dtype": "fp32", "agg": "seq-mean-token-mean", "kl": "k1", "dual_clip": False,
      "entropy": 0.0},
+    # T = 1 with the entropy bonus: the cross entropy must not overwrite the logits the entropy reads
+    {"layout": (2, 1), "dtype": "fp32", "agg": "token-mean", "kl": "k3", "dual_clip": True, "entropy": 0.05,
+     "t": 1.0},
     {"layout": (1, 2), "dtype": "fp32", "agg": "seq-mean-token-sum", "kl": "k3", "dual_clip": True, "entropy": 0.0},
     {"layout": (2, 2), "dtype": "fp32", "agg": "token-mean", "kl": "k1", "dual_clip": True, "entropy": 0.01},
     {"layout": (1, 1), "dtype": "bf16", "agg": "token-mean", "kl": "k3", "dual_clip": True, "entropy": 0.01},
@@ -194,14 +197,15 @@ def reference_step_checks(workers: int, res: dict[str, Any], timed: Any) -> None
         if workers % (tp * pp):
             continue
         t0 = time.time()
-        name = f"{case['dtype']}-{tp}x{pp}"
+        t = case.get("t", REF_T)
+        name = f"{case['dtype']}-{tp}x{pp}" + ("" if t == REF_T else f"-t{t:g}")
         bf16 = case["dtype"] == "bf16"
         cfg = make_cfg(TINY, tp, pp, entropy_coeff=case["entropy"], ppo_mini_batch_size=len(batch) // REF_MINI,
                        ppo_epochs=REF_EPOCHS, loss_agg_mode=case["agg"], use_kl_loss=True, kl_loss_coef=0.1,
                        kl_loss_type=case["kl"], clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
         cfg["actor"]["optim"].update(lr=REF_LR, clip_grad=REF_CLIP_GRAD, weight_decay=0.01)
         cfg["model"]["dtype"] = case["dtype"]
-        cfg["rollout"]["temperature"] = REF_T
+        cfg["rollout"]["temperature"] = t
         cfg["algorithm"]["policy_loss"] = "dual_clip" if case["dual_clip"] else "ppo_clip"
         actor = WorkerGroup(MegatronRole, init_kwargs={"cfg": cfg, "role": "actor"}, name=f"ref-{name}")
         actor.record_gradients(True)
@@ -214,7 +218,7 @@ def reference_step_checks(workers: int, res: dict[str, Any], timed: Any) -> None
         hf = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.bfloat16 if bf16 else torch.float32)
         o = cfg["actor"]["optim"]
         ref = reference_ppo.actor_update(
-            hf, plain, rows, temperature=REF_T, clip_low=0.2, clip_high=0.28,
+            hf, plain, rows, temperature=t, clip_low=0.2, clip_high=0.28,
             dual_clip_c=3.0 if case["dual_clip"] else None, kl_type=case["kl"], kl_coef=0.1,
             entropy_coeff=case["entropy"], loss_agg_mode=case["agg"], lr=REF_LR,
             betas=(o["adam_beta1"], o["adam_beta2"]), eps=o["adam_eps"], weight_decay=0.01,
@@ -230,6 +234,37 @@ def reference_step_checks(workers: int, res: dict[str, Any], timed: Any) -> None
             "update_size": rel_diff(ref_w, w0),  # |w_ref - w0| / |w0|: how far the step moved
         }
         timed(f"reference step {name}", t0)
+
+    # on-policy (1 mini-batch, 1 epoch): the update without a separate old-log-prob pass (its own
+    # forward, detached) equals the update with one; the gap to the rollout is measured inside
+    tp, pp = max((lay for lay in [(1, 1), (2, 1), (1, 2), (2, 2)] if workers % (lay[0] * lay[1]) == 0),
+                 key=lambda lay: lay[0] * lay[1])
+    t0 = time.time()
+    fake_rollout = batch["old_logprob"] + 0.01 * torch.randn(batch["old_logprob"].shape,
+                                                             generator=torch.Generator().manual_seed(9))
+    weights, gaps = {}, {}
+    for mode in ("recompute", "current"):
+        cfg = make_cfg(TINY, tp, pp, ppo_mini_batch_size=len(batch), entropy_coeff=0.01)
+        cfg["actor"]["optim"].update(lr=REF_LR, clip_grad=REF_CLIP_GRAD)
+        cfg["rollout"]["temperature"] = REF_T
+        actor = WorkerGroup(MegatronRole, init_kwargs={"cfg": cfg, "role": "actor"}, name=f"onpolicy-{mode}")
+        b = copy.copy(batch)
+        b.tensors.pop("old_logprob")
+        if mode == "recompute":
+            b["old_logprob"] = actor.compute_logprob(b)
+            mask = b["response_mask"].bool()
+            gaps["separate_pass"] = float((b["old_logprob"] - fake_rollout).abs()[mask].mean())
+        else:
+            b["rollout_logprob"] = fake_rollout
+        m = actor.update_actor(arrange_minibatches(b, 1, actor.layout.dp_size, "token-mean"))
+        if mode == "current":
+            gaps["in_update"] = m["logprob_gap_sum"] / m["logprob_gap_tokens"]
+        weights[mode] = merged(actor.hf_weights())
+    res["on_policy_skip"] = {
+        "layout": f"{tp}x{pp}", **gaps,
+        "max_abs_diff": max(float((weights["current"][k] - weights["recompute"][k]).abs().max()) for k in w0),
+        "max_abs_change": max(float((weights["current"][k] - w0[k]).abs().max()) for k in w0)}
+    timed("on-policy skip", t0)
 
     # the critic: clipped value loss, zero-initialised head, fp32 at the largest layout
     tp, pp = max((lay for lay in [(1, 1), (2, 1), (1, 2), (2, 2)] if workers % (lay[0] * lay[1]) == 0),
@@ -309,6 +344,20 @@ def main() -> None:
             actor.set_packing(True)
             res["packed_vs_padded"] = {"max_abs": float(((lp - padded).abs() * mask).max()),
                                        "padded_vs_hf": float(((padded - ref).abs() * mask).max())}
+            # the output layer at the response positions only: the same log-probs there, 0 elsewhere
+            resp = actor.compute_logprob(batch, response_only=True)
+            rmask = batch["response_mask"].bool()
+            res["response_only"] = {"max_abs_at_response": float((resp - lp).abs()[rmask].max()),
+                                    "max_abs_elsewhere": float(resp.abs()[~rmask].max()),
+                                    "response_tokens": int(rmask.sum())}
+            # per-sequence attention (the default) against megatron's dense block-diagonal mask
+            dense_cfg = make_cfg(TINY, tp, pp)
+            dense_cfg["model"]["local_attention"] = "dense"
+            dense = WorkerGroup(MegatronRole, init_kwargs={"cfg": dense_cfg, "role": "actor"}, name="tiny-dense")
+            dlp = dense.compute_logprob(batch)
+            res["per_sequence_vs_dense"] = {"max_abs": float(((lp - dlp).abs() * mask).max()),
+                                            "dense_vs_hf": float(((dlp - ref).abs() * mask).max()),
+                                            "spec": dense.describe()["spec"]}
             # HF -> Megatron (TP=2 PP=2) -> HF through the real model, bit for bit
             actor.export_hf(str(tmp / "tiny-rt"))
             a, b = load_safetensors_dir(TINY), load_safetensors_dir(str(tmp / "tiny-rt"))

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from hpcrl.engines.megatron.attention import segments_of
 from hpcrl.engines.megatron.convert import SafetensorsReader, hf_to_megatron, megatron_to_hf
 from hpcrl.engines.megatron.cpu_compat import apply_cpu_compat
 from hpcrl.engines.megatron.model import ModelArch, build_gpt_model, read_arch
@@ -94,6 +95,8 @@ class EngineOptions:
     packing: bool = True
     micro_batch_size: int = 4
     use_te: bool | None = None
+    # local spec: per_sequence attention (hpcrl.engines.megatron.attention) or the dense block mask
+    attention: str = "per_sequence"
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -135,12 +138,15 @@ class MegatronEngine:
         self.pp_size = ps.get_pipeline_model_parallel_world_size()
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
-        self.model = build_gpt_model(self.arch, self.options.dtype, self.options.use_te)
+        self.model = build_gpt_model(self.arch, self.options.dtype, self.options.use_te, self.options.attention)
         self.spec = self.model.hpcrl_spec
         if value_head and self.model.post_process:
             self.model.output_layer = ValueHead(self.arch.hidden_size, self.options.dtype).to(
                 next(self.model.parameters()).device)
         self.load_hf(model_path)
+        # positions [B, T] (label-aligned) whose logits the running micro-batch needs, or None for all
+        self._positions: torch.Tensor | None = None
+        self._select_output_positions()
         self.optimizer: torch.optim.Optimizer | None = None
         self.optim = optim
         self.step_count = 0
@@ -182,6 +188,40 @@ class MegatronEngine:
             p.grad = None
             if self.master is not None:
                 p.main_grad.zero_()
+
+    def _select_output_positions(self) -> None:
+        """Let the vocabulary projection run only at the positions a micro-batch asks for
+        (`self._positions`): the hidden states there, [n, 1, h] in [T, B] order, instead of all
+        [T, B, h]. Log-probs and losses are needed at response tokens only, and the projection and
+        the log-softmax over the vocabulary cost about a fifth of a small model's compute and its
+        largest activations. Not with sequence parallelism (the output layer's input is split)."""
+        if not self.model.post_process or self.value_head or self.model.config.sequence_parallel:
+            return
+        layer = self.model.output_layer
+        project = layer.forward
+
+        def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if self._positions is not None:
+                hidden_states = hidden_states[self._positions.t().to(hidden_states.device)].unsqueeze(1)
+            return project(hidden_states, *args, **kwargs)
+
+        layer.forward = forward
+
+    def _spread(self, values: torch.Tensor, mb: PackedMicroBatch) -> torch.Tensor:
+        """Per-position values of the selected positions ([1, n], see `_select_output_positions`)
+        back to [B, T] with zeros elsewhere (differentiable); [B, T] values pass through."""
+        if self._positions is None:
+            return values
+        sel = self._positions.t().to(values.device)
+        return torch.zeros(sel.shape, dtype=values.dtype, device=values.device).masked_scatter(
+            sel, values.reshape(-1)).t()
+
+    def _labels(self, mb: PackedMicroBatch, device: Any) -> torch.Tensor:
+        """The labels of the positions whose logits the output layer computed, shaped like them."""
+        labels = mb.labels.to(device)
+        if self._positions is None:
+            return labels
+        return labels.t()[self._positions.t().to(device)][None]
 
     # weights -----------------------------------------------------------------------------------
     def load_hf(self, model_path: str) -> None:
@@ -279,16 +319,25 @@ class MegatronEngine:
         if self.options.packing:
             groups = plan_micro_batches(lengths, self.options.micro_batch_tokens)
             rows_of = [[g] for g in groups]  # one packed row per micro-batch
-            length = max(sum(lengths[i] for i in g) for g in groups)
         else:
             groups = plan_padded_micro_batches(len(seqs), self.options.micro_batch_size)
             # a short last micro-batch gets empty rows: every micro-batch must have one shape
             rows_of = [[[i] for i in g] + [[]] * (self.options.micro_batch_size - len(g)) for g in groups]
-            length = max(lengths)
-        # every micro-batch has one shape: pipeline stages exchange fixed-size activations
-        return [pack(seqs, rows, length, token_fields) for rows in rows_of]
 
-    def _run(self, mbs: list[PackedMicroBatch], loss_fn: Callable, forward_only: bool) -> list[Any]:
+        def longest_row(rows: list[list[int]]) -> int:
+            return max(sum(lengths[i] for i in row) for row in rows)
+
+        # pipeline stages exchange fixed-size activations: with PP every micro-batch has one shape;
+        # without PP each is only as long as its longest row
+        common = max(longest_row(rows) for rows in rows_of)
+        dense = self.model.hpcrl_attention == "dense"
+        return [pack(seqs, rows, common if self.pp_size > 1 else longest_row(rows), token_fields, dense_mask=dense)
+                for rows in rows_of]
+
+    def _run(self, mbs: list[PackedMicroBatch], loss_fn: Callable, forward_only: bool,
+             positions: Callable[[PackedMicroBatch], torch.Tensor | None] | None = None) -> list[Any]:
+        """megatron's forward(-backward) over the micro-batches; positions(mb) -> the [B, T] bool
+        mask of the positions whose logits are needed (None: all)."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
@@ -297,14 +346,24 @@ class MegatronEngine:
 
         def forward_step(it: Iterator[PackedMicroBatch], model: torch.nn.Module):
             mb = next(it)
-            tokens, positions = mb.tokens.to(device), mb.position_ids.to(device)
-            if not te:  # local spec: the block-diagonal causal mask carries the packing
-                out = model(tokens, positions, mb.attention_mask.to(device))
+            # read by the output layer of this micro-batch's forward and by its loss function
+            self._positions = positions(mb) if positions is not None else None
+            tokens, positions_ids = mb.tokens.to(device), mb.position_ids.to(device)
+            if not te:  # local spec: the sequences' segments (or the dense block mask) carry the packing
+                mask = (mb.attention_mask if mb.attention_mask is not None
+                        else segments_of(mb.placement, mb.tokens.shape[0]))
+                out = model(tokens, positions_ids, mask.to(device))
             elif len(mb.placement) > mb.tokens.shape[0]:  # TE, packed: THD layout with per-sequence RoPE
-                out = model(tokens, positions, None, packed_seq_params=thd_params(mb, device))
+                out = model(tokens, positions_ids, None, packed_seq_params=thd_params(mb, device))
             else:  # TE, one right-padded sequence per row: plain causal attention is exact
-                out = model(tokens, positions, None)
-            return out, lambda output: loss_fn(output, mb)
+                out = model(tokens, positions_ids, None)
+            selected = self._positions
+
+            def loss(output: torch.Tensor) -> Any:
+                self._positions = selected  # with PP the loss runs after other micro-batches' forwards
+                return loss_fn(output, mb)
+
+            return out, loss
 
         b, t = mbs[0].tokens.shape
         return get_forward_backward_func()(
@@ -316,22 +375,21 @@ class MegatronEngine:
         distribution softmax(logits / temperature): the one a rollout at that temperature samples."""
         from megatron.core import tensor_parallel
 
-        logits = logits.float()
-        if temperature != 1.0:
-            logits = logits / temperature
+        # Always a new tensor (also for fp32 at T=1): megatron's cross entropy overwrites its input
+        # in place (minus the max, then exp, kept as the softmax for backward), and the entropy
+        # reads the model's output after it.
+        logits = logits.float() / temperature
         vocab_per_rank = logits.shape[-1]
         start = self.tp_rank * vocab_per_rank
         if start + vocab_per_rank > self.arch.vocab_size:  # padded vocab rows are not tokens
-            pad_from = max(self.arch.vocab_size - start, 0)
-            logits = logits.clone()
-            logits[..., pad_from:] = float("-inf")
-        labels = mb.labels.to(logits.device)
+            logits[..., max(self.arch.vocab_size - start, 0):] = float("-inf")
+        labels = self._labels(mb, logits.device)
         nll = tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(), labels.t().contiguous())
-        return -nll.t()
+        return self._spread(-nll.t(), mb)
 
     def _forward_collect(self, seqs: list[torch.Tensor],
-                         per_token: Callable[[torch.Tensor, PackedMicroBatch], torch.Tensor]
-                         ) -> list[torch.Tensor] | None:
+                         per_token: Callable[[torch.Tensor, PackedMicroBatch], torch.Tensor],
+                         positions: list[torch.Tensor] | None = None) -> list[torch.Tensor] | None:
         """Forward only; per_token(output, micro-batch) -> [B, T] values laid out like labels, cut
         back into one tensor per sequence. Returned on the last pipeline stage, None elsewhere."""
         self.model.eval()
@@ -340,7 +398,9 @@ class MegatronEngine:
             v = per_token(output, mb)
             return v.sum() * 0.0, torch.tensor(1), {"values": v.detach().cpu(), "mb": mb}
 
-        store = self._run(self._micro_batches(seqs), loss_fn, forward_only=True)
+        fields = {"positions": [p.float() for p in positions]} if positions is not None else None
+        select = (lambda mb: mb.extra["positions"].bool() & mb.label_mask.bool()) if positions is not None else None
+        store = self._run(self._micro_batches(seqs, fields), loss_fn, forward_only=True, positions=select)
         if not store:
             return None
         out: dict[int, torch.Tensor] = {}
@@ -355,12 +415,15 @@ class MegatronEngine:
         return self._forward_collect(seqs, lambda output, mb: output[..., 0].float())
 
     @torch.no_grad()
-    def compute_logprob(self, seqs: list[torch.Tensor], temperature: float = 1.0) -> list[torch.Tensor] | None:
+    def compute_logprob(self, seqs: list[torch.Tensor], temperature: float = 1.0,
+                        positions: list[torch.Tensor] | None = None) -> list[torch.Tensor] | None:
         """Per-token log-probs of each sequence (entry t: log p(seq[t+1] | seq[:t+1])) under
-        softmax(logits / temperature).
+        softmax(logits / temperature); with positions (per sequence, label-aligned bool), only
+        there (0 elsewhere: the output layer skips the other positions).
 
         Returned on the last pipeline stage (every TP rank of it); other stages return None."""
-        return self._forward_collect(seqs, lambda output, mb: self.token_logprobs(output, mb, temperature))
+        return self._forward_collect(seqs, lambda output, mb: self.token_logprobs(output, mb, temperature),
+                                     positions)
 
     def token_entropy(self, logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """Entropy of softmax(logits / temperature) over the full vocabulary per position, from
@@ -384,7 +447,7 @@ class MegatronEngine:
         e = torch.exp(logits - m)
         z = reduce_from_tensor_model_parallel_region(e.sum(-1))
         ez = reduce_from_tensor_model_parallel_region(torch.nan_to_num(e * (logits - m)).sum(-1))
-        return torch.log(z) - ez / z
+        return torch.log(z) - ez / z  # [B, T], or [1, n] at the selected positions (see _spread)
 
     # training ----------------------------------------------------------------------------------
     def train_step(self, seqs: list[torch.Tensor], token_fields: dict[str, list[torch.Tensor]],
@@ -408,14 +471,18 @@ class MegatronEngine:
                 entropy = None
             else:
                 out = self.token_logprobs(output, mb, temperature)
-                entropy = self.token_entropy(output, temperature) if need_entropy else None
+                entropy = self._spread(self.token_entropy(output, temperature), mb) if need_entropy else None
             fields = {k: v.to(out.device) for k, v in mb.extra.items()}
             fields["label_mask"] = mb.label_mask.to(out.device)
             loss, metrics = loss_fn(out, entropy, fields)
             return loss, torch.tensor(1, dtype=torch.int), {k: v.detach().float().cpu() for k, v in
                                                             {"loss": loss, **metrics}.items()}
 
-        store = self._run(mbs, micro_loss, forward_only=False)
+        # the actor's logits only where a loss weight is (response tokens of the mini-batch)
+        select = (None if self.value_head or "loss_weight" not in (token_fields or {})
+                  else lambda mb: (mb.extra["loss_weight"] > 0) & mb.label_mask.bool())
+        store = self._run(mbs, micro_loss, forward_only=False, positions=select)
+        self._positions = None
         self._finish_grads()
         if self.record_grads is not None:
             self.record_grads.append({n: self._grad(p).detach().float().clone()
@@ -436,7 +503,8 @@ class MegatronEngine:
         return {**sums, "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"]}
 
     def _sum_metrics(self, store: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-        """Metric sums over micro-batches, DP ranks and (from the last stage) the pipeline."""
+        """Metric sums over micro-batches, DP ranks and (from the last stage) the pipeline; metrics
+        named *_max are maxima instead."""
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
@@ -444,13 +512,17 @@ class MegatronEngine:
         dist.broadcast_object_list(keys_holder, src=ps.get_pipeline_model_parallel_last_rank(),
                                    group=ps.get_pipeline_model_parallel_group())
         keys = keys_holder[0]
+        is_max = torch.tensor([k.endswith("_max") for k in keys], dtype=torch.bool)
         vec = torch.zeros(len(keys), dtype=torch.float64)
         for item in store:
-            vec += torch.tensor([float(item[k]) for k in keys], dtype=torch.float64)
+            vals = torch.tensor([float(item[k]) for k in keys], dtype=torch.float64)
+            vec = torch.where(is_max, torch.maximum(vec, vals), vec + vals)
         last, pp_group = ps.get_pipeline_model_parallel_last_rank(), ps.get_pipeline_model_parallel_group()
         dist.broadcast(vec, src=last, group=pp_group)
-        dist.all_reduce(vec, group=ps.get_data_parallel_group())
-        return dict(zip(keys, vec.tolist(), strict=False))
+        sums, maxes = vec.clone(), vec.clone()
+        dist.all_reduce(sums, group=ps.get_data_parallel_group())
+        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+        return dict(zip(keys, torch.where(is_max, maxes, sums).tolist(), strict=True))
 
     def _finish_grads(self) -> None:
         """Sum gradients over DP, and tie the embedding's two copies when PP splits them."""

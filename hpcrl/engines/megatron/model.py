@@ -131,8 +131,13 @@ def transformer_config(arch: ModelArch, tp: int, pp: int, dtype: torch.dtype, on
     )
 
 
-def build_gpt_model(arch: ModelArch, dtype: torch.dtype = torch.float32, use_te: bool | None = None):
-    """A GPTModel for this rank's pipeline stage and tensor shard (parallel_state must be set up)."""
+def build_gpt_model(arch: ModelArch, dtype: torch.dtype = torch.float32, use_te: bool | None = None,
+                    attention: str = "per_sequence"):
+    """A GPTModel for this rank's pipeline stage and tensor shard (parallel_state must be set up).
+
+    attention (local spec only): per_sequence (hpcrl.engines.megatron.attention, the attention mask
+    argument is then the packing's segments) or dense (megatron's DotProductAttention with a
+    block-diagonal mask)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -148,6 +153,10 @@ def build_gpt_model(arch: ModelArch, dtype: torch.dtype = torch.float32, use_te:
     config = transformer_config(arch, tp, pp, dtype, on_gpu)
     spec = (get_gpt_layer_with_transformer_engine_spec() if use_te
             else get_gpt_layer_local_spec(normalization="RMSNorm"))
+    if not use_te and attention == "per_sequence":
+        from hpcrl.engines.megatron.attention import SequenceAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SequenceAttention
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,
@@ -163,6 +172,7 @@ def build_gpt_model(arch: ModelArch, dtype: torch.dtype = torch.float32, use_te:
         parallel_output=True,
     )
     model.hpcrl_spec = "te" if use_te else "local"
+    model.hpcrl_attention = "te" if use_te else attention
     mark_tensor_parallel_params(model)
     if on_gpu:
         model.cuda(torch.cuda.current_device())

@@ -70,7 +70,7 @@ class RolloutEngine:
     """A vLLM `LLM` in external-launcher (SPMD) mode on this rank."""
 
     def __init__(self, model_path: str, tensor_parallel: int = 1, dtype: torch.dtype = torch.float32,
-                 seed: int = 0, cpu_kv_cache_gib: float = 1, gpu_memory_utilization: float = 0.5,
+                 seed: int = 0, cpu_kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.5,
                  max_model_len: int | None = None, engine_kwargs: dict[str, Any] | None = None):
         import torch.distributed as dist
 
@@ -79,8 +79,9 @@ class RolloutEngine:
         world, rank = dist.get_world_size(), dist.get_rank()
         if world % tensor_parallel:
             raise ValueError(f"rollout TP {tensor_parallel} does not divide the {world} workers")
-        # read by vLLM when the engine is built: KV cache size on CPU, and the in-process engine
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kv_cache_gib)
+        # read by vLLM when the engine is built: the in-process engine. The CPU KV cache is sized in
+        # bytes below (vLLM's VLLM_CPU_KVCACHE_SPACE takes whole GiB only, and would override it).
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
@@ -94,6 +95,8 @@ class RolloutEngine:
         }
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
+        if not torch.cuda.is_available():
+            kwargs["kv_cache_memory_bytes"] = int(cpu_kv_cache_gib * (1 << 30))
         # GPU: sleep mode lets the trainer and the engine take turns with the device memory;
         # vLLM has no sleep mode on CPU.
         if torch.cuda.is_available():

@@ -1,0 +1,80 @@
+"""Causal attention within each packed sequence, for megatron's local (non-Transformer-Engine) layer
+spec: the CPU path's `core_attention`.
+
+megatron's local `DotProductAttention` attends a packed row through a dense [T, T] block-diagonal
+mask: its cost and the fp32 attention probabilities it keeps for backward grow with the square of
+the row length (the micro-batch token budget), although a sequence only ever attends to itself.
+`SequenceAttention` runs PyTorch's scaled_dot_product_attention (causal, grouped-query) on each
+sequence of a row separately, so cost and memory grow with the sum of the squared sequence
+lengths. The packing (which sequence sits where) arrives through the `attention_mask` argument
+as a [B, K, 2] tensor of (offset, length) per row (`segments_of`); positions after a row's last
+sequence (the tail padding) get zeros. Equal to the dense-mask result within float rounding
+(tests/test_megatron_engine.py).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def segments_of(placement: list[tuple[int, int, int, int]], rows: int) -> torch.Tensor:
+    """[rows, K, 2] (offset, length) of every sequence of each row, zero-length entries as filler;
+    from a micro-batch's placement (sequence index, row, offset, length)."""
+    per_row: list[list[tuple[int, int]]] = [[] for _ in range(rows)]
+    for _, r, offset, n in placement:
+        per_row[r].append((offset, n))
+    k = max((len(x) for x in per_row), default=0)
+    out = torch.zeros(rows, max(k, 1), 2, dtype=torch.long)
+    for r, segs in enumerate(per_row):
+        for j, (offset, n) in enumerate(sorted(segs)):
+            out[r, j, 0], out[r, j, 1] = offset, n
+    return out
+
+
+class SequenceAttention(torch.nn.Module):
+    """Drop-in `core_attention` of megatron's local spec (same constructor and forward arguments
+    as its DotProductAttention; no dropout: RL fine-tuning runs with attention_dropout 0)."""
+
+    def __init__(self, config: Any, layer_number: int, attn_mask_type: Any, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection: Any = None):
+        super().__init__()
+        from megatron.core import parallel_state as ps
+
+        tp = pg_collection.tp.size() if pg_collection is not None and hasattr(pg_collection, "tp") \
+            else ps.get_tensor_model_parallel_world_size()
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError(f"attention dropout {dropout}: SequenceAttention has none (use the dense spec)")
+        self.heads = config.num_attention_heads // tp
+        self.groups = (config.num_query_groups or config.num_attention_heads) // tp
+        self.head_dim = config.kv_channels
+        self.scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                attention_mask: torch.Tensor, attn_mask_type: Any = None, attention_bias: Any = None,
+                packed_seq_params: Any = None) -> torch.Tensor:
+        """query [T, B, heads, d], key / value [T, B, groups, d], attention_mask the segments
+        [B, K, 2] -> [T, B, heads * d]."""
+        t, b = query.shape[:2]
+        rows = []
+        for r, segs in enumerate(attention_mask.tolist()):
+            pieces, end = [], 0
+            for offset, n in segs:
+                if n == 0:
+                    continue
+                assert offset == end, "sequences of a row must sit back to back from offset 0"
+                # [L, heads, d] -> [1, heads, L, d]
+                q, k, v = (x[offset:offset + n, r].transpose(0, 1)[None] for x in (query, key, value))
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                                   enable_gqa=self.heads != self.groups)
+                pieces.append(o[0].transpose(0, 1))
+                end = offset + n
+            if end < t:
+                pieces.append(query.new_zeros(t - end, self.heads, self.head_dim))
+            rows.append(torch.cat(pieces))
+        return torch.stack(rows, dim=1).reshape(t, b, self.heads * self.head_dim)
