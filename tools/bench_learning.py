@@ -12,7 +12,9 @@ hpcrl's tokens/s >= 1.5x TRL's.
 hpcrl: `hpcrl run configs/grpo_smollm2.yaml` with overrides (2 CPU workers, fp32, Megatron-core
 trainer + vLLM rollout colocated). TRL: GRPOTrainer in its own venv (tools/setup_trl_venv.sh makes
 .venv-trl), CPU torch, generating with HF generate, in one process with as many torch threads as
-hpcrl has worker processes. The two run one after the other. Both score with hpcrl's builtin scorer
+hpcrl has worker processes. The two run in alternating rounds (--rounds, default 3: hpcrl, TRL,
+hpcrl, TRL, ...), each round printed with its load average and the host's steal time; the result is
+the median of the rounds' tokens/s ratios. Both score with hpcrl's builtin scorer
 (hpcrl.rewards.builtin.compute_score, imported in the TRL process: it needs neither torch nor omegaconf).
 
 Matched settings (TRL's names in brackets): 8 prompts x G=4 samples per step [generation_batch_size 32,
@@ -280,6 +282,12 @@ class LoadSampler:
         return {"mean": statistics.fmean(s), "max": max(s)}
 
 
+def steal_seconds() -> float:
+    """Host steal time so far, all CPUs (/proc/stat): time the hypervisor gave to others."""
+    fields = open("/proc/stat").readline().split()
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK") if len(fields) > 8 else 0.0
+
+
 def _stream(cmd: list[str], log_path: str, prefix: str, env: dict, timeout: float | None) -> int:
     """Run cmd with its output in log_path; echo the progress lines."""
     t = time.time()
@@ -448,6 +456,8 @@ def main() -> None:
                    help="hpcrl's vLLM CPU KV cache per worker in GiB (default: sized to the step by hpcrl)")
     p.add_argument("--trl-threads", type=int, default=0, help="TRL torch threads (default: = --workers)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=3, help="alternating hpcrl / TRL rounds (the full report is "
+                   "printed for the first; the tokens/s ratio of every round and their median at the end)")
     p.add_argument("--trl-python", default=os.environ.get("TRL_PYTHON", os.path.join(REPO, ".venv-trl/bin/python")))
     p.add_argument("--timeout", type=float, default=None, help="seconds per side (default: none)")
     p.add_argument("--keep", metavar="DIR", help="keep the runs' files (logs, metrics) in DIR")
@@ -471,14 +481,32 @@ def main() -> None:
     os.makedirs(tmp, exist_ok=True)
     load0 = os.getloadavg()[0]
     try:
-        overrides = _overrides(args, os.path.join(tmp, "hpcrl"))
-        prepared = _prepare(args, overrides)
+        prepared = _prepare(args, _overrides(args, os.path.join(tmp, "hpcrl")))
         print(f"[bench] {args.steps} steps x {args.prompts} prompts, {len(prepared['val'])} validation prompts; "
               f"files in {tmp}", flush=True)
-        h = _run_hpcrl(args, tmp, overrides, env)
-        shutil.rmtree(os.path.join(tmp, "hpcrl", "checkpoints"), ignore_errors=True)  # ~2 GB of final weights
-        r = _run_trl(args, tmp, prepared, env)
-        _report(args, h, r, (load0, os.getloadavg()[0]))
+        # Alternating rounds (hpcrl, TRL, hpcrl, TRL, ...): a host's speed drifts over minutes (steal
+        # time, other tenants), so one half of each cannot tell a change from the weather. Every
+        # round is printed with its load and steal time; the median ratio is the result.
+        ratios = []
+        for k in range(args.rounds):
+            rtmp = os.path.join(tmp, f"round{k + 1}")
+            os.makedirs(rtmp, exist_ok=True)
+            steal0 = steal_seconds()
+            h = _run_hpcrl(args, rtmp, _overrides(args, os.path.join(rtmp, "hpcrl")), env)
+            shutil.rmtree(os.path.join(rtmp, "hpcrl", "checkpoints"), ignore_errors=True)  # ~2 GB of weights
+            steal1 = steal_seconds()
+            r = _run_trl(args, rtmp, prepared, env)
+            steal2 = steal_seconds()
+            th, tt = _throughput(h["steps"], True), _throughput(r["steps"], True)
+            ratios.append(th / tt)
+            print(f"[bench] round {k + 1}/{args.rounds}: tokens/s (without step 1) hpcrl {th:.1f}, TRL {tt:.1f}, "
+                  f"ratio {th / tt:.2f}x; load hpcrl {h['load']['mean']:.2f} / TRL {r['load']['mean']:.2f}; "
+                  f"steal hpcrl {steal1 - steal0:.1f} s / TRL {steal2 - steal1:.1f} s", flush=True)
+            if k == 0:
+                _report(args, h, r, (load0, os.getloadavg()[0]))
+        print(f"\n[bench] tokens/s ratio hpcrl / TRL (without step 1) per round: "
+              f"{', '.join(f'{x:.2f}' for x in ratios)}; median {statistics.median(ratios):.2f}x "
+              f"(goal >= 1.5x: {'met' if statistics.median(ratios) >= 1.5 else 'NOT met'})")
     finally:
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
