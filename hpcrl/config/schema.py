@@ -67,7 +67,8 @@ class ActorConfig:
     # the update is on-policy (one mini-batch, one epoch, no KL in the reward), where the update's
     # own detached log-probs are used (ratio 1: the same update, one forward less); recompute:
     # always the separate forward; rollout: vLLM's processed log-probs (no forward). Without the
-    # separate forward the rollout-vs-actor gap is measured in the update's first forward.
+    # separate forward the rollout-vs-actor gap is measured in the update's first forward (the
+    # first mini-batch's response tokens, before any optimizer step).
     old_logprob: str = "auto"
     # Token budget of one packed micro-batch (sequence packing, no padding).
     micro_batch_tokens: int = 4096
