@@ -23,8 +23,9 @@ from conftest import ARITH, HPCRL, TRAIN_OVERRIDES, TRAIN_STEPS, hpcrl_run, read
 
 SLURM_OVERRIDES = [*TRAIN_OVERRIDES, "algorithm.adv_estimator=grpo", "checkpoint.save_every=4",
                    "trainer.workers_per_node=2"]
-# Wall-clock numbers differ between runs; everything else in a step record must be identical.
-TIMING = ("time/", "throughput/")
+# Wall-clock numbers and the processes' peak memory differ between runs; everything else in a step
+# record must be identical.
+TIMING = ("time/", "throughput/", "memory/")
 
 
 def submit(run_dir: Path, partition: str) -> str:
