@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 def cpu_kv_cache_gib_needed(arch: Any, cfg: dict[str, Any], dtype_bytes: int) -> float:
     """KV cache (GiB per worker) that holds, at full length (max_prompt_length + max_new_tokens,
     rounded up to vLLM's 128-token CPU blocks), every sample one rollout replica generates in a step,
-    or one validation batch's share, with a quarter to spare; at least 1/16 GiB. A bigger cache only
-    costs memory: vLLM queues what does not fit."""
+    or one validation batch's share, with a quarter to spare; at least 1/16 GiB. Too small only
+    costs time (vLLM queues the requests that do not fit), too big only memory."""
     r, d = cfg["rollout"], cfg["data"]
     replicas = max(cfg["trainer"]["nnodes"] * cfg["trainer"]["workers_per_node"] // r["tensor_parallel"], 1)
     seqs = max(-(-d["train_batch_size"] * r["n"] // replicas), -(-d["val_batch_size"] // replicas))
