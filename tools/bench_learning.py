@@ -53,8 +53,10 @@ STEP_LINE = re.compile(r"(step \d+/\d+|validation after|worker groups ready|Trac
 DIFFERENCES = [
     "generation: hpcrl samples with vLLM (CPU), TRL with HF generate; different random streams, so the "
     "sampled completions (and the curves) differ even from the same weights",
-    "mini-batches: hpcrl splits the 32 samples in order (prompts 1-4, then 5-8); TRL shuffles the "
-    "generation batch before splitting it",
+    "mini-batches: both shuffle the generation batch before splitting it, each with its own seeded "
+    "permutation (hpcrl: actor.shuffle_minibatches)",
+    "old log-probs: hpcrl takes vLLM's (the demo config's actor.old_logprob: rollout; equal to the "
+    "actor's within ~1e-5 in fp32), TRL computes them with a forward of its model",
     "advantage epsilon: (r - mean) / (std + 1e-6) in hpcrl, (std + 1e-4) in TRL (unbiased std in both)",
     "optimizer: Megatron-core's Adam (fp32 main params) vs torch AdamW; same betas, eps, lr, no decay",
     "transformers: {hpcrl_tf} in .venv (hpcrl, vLLM's pin) vs {trl_tf} in .venv-trl (what TRL installs)",
