@@ -44,8 +44,7 @@ def test_smollm2_logprobs_match_hf(checks: dict) -> None:
 
 def test_per_sequence_attention_equals_the_dense_mask(checks: dict) -> None:
     c = checks["per_sequence_vs_dense"]
-    if c["spec"] != "local":
-        pytest.skip("Transformer Engine's attention is used on this machine")
+    # (with Transformer Engine both groups use TE's attention: the same bounds hold trivially)
     assert c["max_abs"] < 1e-5, c
     assert c["dense_vs_hf"] < 1e-4, c
 
