@@ -53,6 +53,15 @@ def main(argv: list[str] | None = None) -> None:
     if importlib.util.find_spec("hpcrl") is None:
         sys.path.insert(0, _REPO)
 
+    # before MPI starts: segments that killed jobs left in /dev/shm (see hpcrl/launch/shm.py)
+    from hpcrl.launch.shm import remove_stale_segments
+
+    removed = remove_stale_segments()
+    if removed:
+        print(f"[hpcrl entry] removed {len(removed)} shared-memory segment(s) that killed jobs left in "
+              f"{removed[0].parent} ({', '.join(p.name for p in removed[:3])}{', ...' if len(removed) > 3 else ''})",
+              file=sys.stderr, flush=True)
+
     from hpcrl.controller.app import RuntimeOptions, run
 
     opts = RuntimeOptions.from_env()

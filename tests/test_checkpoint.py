@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import subprocess
 import time
@@ -391,6 +392,10 @@ def test_export_hf_joins_shards_into_the_original_tensors(tmp_path: Path) -> Non
 def test_rank_seed_is_stable_and_distinct() -> None:
     from hpcrl.checkpoint.megatron_state import rank_seed
 
-    assert rank_seed(1, 10, 0) == rank_seed(1, 10, 0)
+    # stable: a resumed job is a new process, where Python's salted hash() would differ
+    code = "from hpcrl.checkpoint.megatron_state import rank_seed; print(rank_seed(1, 10, 0), rank_seed(3, 7, 5))"
+    others = {subprocess.run([PYTHON, "-c", code], env=dict(os.environ, PYTHONHASHSEED=str(h)), cwd=REPO,
+                             capture_output=True, text=True, check=True).stdout for h in (1, 2)}
+    assert others == {f"{rank_seed(1, 10, 0)} {rank_seed(3, 7, 5)}\n"}
     assert len({rank_seed(1, 10, r) for r in range(64)} | {rank_seed(1, 11, 0), rank_seed(2, 10, 0)}) == 66
 

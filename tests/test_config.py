@@ -195,3 +195,24 @@ def test_kl_loss_with_zero_coefficient_builds_no_reference() -> None:
 
 def test_training_temperature_must_be_positive() -> None:
     assert any(p.startswith("rollout.temperature=0") and "> 0" in p for p in problems_of("rollout.temperature=0"))
+
+
+CATALOGUE = yaml.safe_load((REPO / "tests" / "data" / "malformed_configs.yaml").read_text())
+
+
+@pytest.mark.parametrize("case", CATALOGUE, ids=[" ".join(c["overrides"]) for c in CATALOGUE])
+def test_malformed_config_is_refused_naming_the_key(case: dict) -> None:
+    problems = problems_of(*case["overrides"])
+    named = [p for p in problems if p.startswith(case["key"])]
+    assert named, problems
+    assert case.get("says", "") in named[0], named
+
+
+def test_catalogue_is_large_and_run_refuses_before_launch(tmp_path) -> None:
+    assert len(CATALOGUE) >= 30
+    # `hpcrl run` exits 2 before starting any process, and writes nothing: not even the run folder
+    run_dir = tmp_path / "run"
+    for case in (CATALOGUE[0], CATALOGUE[-1]):
+        r = run([HPCRL, "run", TINY, f"trainer.run_dir={run_dir}", *case["overrides"]], timeout=60)
+        assert r.returncode == 2 and case["key"] in r.stderr, r.stderr
+        assert not run_dir.exists()

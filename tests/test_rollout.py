@@ -8,18 +8,39 @@ split in two) and a vLLM engine in every worker; rollout TP=1 (4 replicas) and T
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 from conftest import PYTHON, run
 
 from hpcrl.launch import entry_argv, mpiexec_command
+from hpcrl.launch.shm import SHM_DIR, remove_stale_segments, stale_segments
 
 SCENARIOS = ["tiny_tp1", "tiny_tp2", "smollm2_tp1"]
 
 
 @pytest.fixture(scope="module")
-def checks(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def killed_world(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """A rollout TP=2 world SIGKILLed after start (tests/programs/rollout_checks.py `die`): what it
+    left in /dev/shm. The main world below starts on the same machine right after."""
+    out = tmp_path_factory.mktemp("rollout") / "die.json"
+    r = run(mpiexec_command(2, entry_argv("tests/programs/rollout_checks.py", [str(out), "die"], python=PYTHON)),
+            timeout=600)
+    assert out.is_file() and r.returncode != 0, f"rc={r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+    left = json.loads(out.read_text())
+    left["present_after_kill"] = [n for n in left["segments"] if (SHM_DIR / n).exists()]
+    # the next world's start removes unmapped segments older than 2 s (hpcrl/launch/shm.py)
+    ages = [time.time() - max((SHM_DIR / n).stat().st_mtime, (SHM_DIR / n).stat().st_ctime)
+            for n in left["present_after_kill"]]
+    time.sleep(max(0.0, 2.5 - min(ages, default=2.5)))
+    return left
+
+
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory: pytest.TempPathFactory, killed_world: dict) -> dict:
     out = tmp_path_factory.mktemp("rollout") / "checks.json"
     cmd = mpiexec_command(4, entry_argv("tests/programs/rollout_checks.py", [str(out)], python=PYTHON))
     r = run(cmd, timeout=900)
@@ -111,3 +132,46 @@ def test_sample_seeds_are_distinct_and_split_independent() -> None:
     assert len(set(whole)) == prompts * n
     # a replica holding prompts 32..63 (first_index 32) gives them the same seeds
     assert [sample_seed(12345, 32 + i, j, n) for i in range(32) for j in range(n)] == whole[32 * n:]
+
+
+def test_a_killed_rollout_world_does_not_break_the_next(killed_world: dict, checks: dict) -> None:
+    # the SIGKILLed world left shared-memory segments behind (MPICH's; vLLM's too where its CPU
+    # shm communicator is active): the fault is real
+    left = killed_world["present_after_kill"]
+    assert left, killed_world
+    # the next world (the main one, above, rollout TP=2 as well) removed them at start
+    assert not [n for n in left if (SHM_DIR / n).exists()], left
+    # vLLM's names: one random prefix per engine, agreed by the ranks of a TP group, no "/" (it was
+    # `-tp:1-[0-1]-cpushm` for every job on the node)
+    before, now = killed_world["vllm_shm_names"], checks["tiny_tp2"]["vllm_shm_names"]
+    for names in (before, now):
+        prefixes = {n["name"].split("-tp:")[0] for n in names}
+        assert len(prefixes) == 1 and prefixes.pop().startswith("hpcrl-"), names
+        assert all("/" not in n["name"] and n["name"].endswith("cpushm") for n in names), names
+    assert now[0]["name"] == now[1]["name"] != now[2]["name"] == now[3]["name"]  # 2 TP groups of 2
+    assert before[0]["name"].split("-tp:")[0] != now[0]["name"].split("-tp:")[0]
+    segments = checks["tiny_tp2"]["shm_segments"]
+    if now[0]["active"]:  # the segments exist only where vLLM's CPU build has its shm ops
+        assert any(n.startswith(now[0]["name"]) for n in segments), (now, segments)
+    # a world that ends normally leaves nothing
+    assert segments and not [n for n in segments if (SHM_DIR / n).exists()], segments
+
+
+def test_stale_segments_are_the_unused_old_ones(tmp_path) -> None:
+    names = ["mpich_shm_0badc0de_0", "hpcrl-x-tp:1-[0-1]-cpushm_0", "hpcrl-x-tp:1-[0-1]-cpushm_1", "other_0"]
+    for n in names:
+        (tmp_path / n).write_bytes(b"\0" * 4096)
+    # a live process maps one of them (as a running job does)
+    holder = subprocess.Popen([sys.executable, "-c", "import mmap, sys, time; f = open(sys.argv[1], 'r+b'); "
+                               "m = mmap.mmap(f.fileno(), 4096); f.close(); print('ok', flush=True); time.sleep(60)",
+                               str(tmp_path / names[2])], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "ok"
+        assert stale_segments(tmp_path, min_age_s=0) == [tmp_path / names[1], tmp_path / names[0]]
+        # younger than the bound: a segment another job may have created and not yet mapped
+        assert remove_stale_segments(tmp_path, min_age_s=30) == []
+        assert remove_stale_segments(tmp_path, min_age_s=0) == [tmp_path / names[1], tmp_path / names[0]]
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:])
+    finally:
+        holder.kill()
+        holder.wait()

@@ -59,6 +59,18 @@ RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     "actor.clip_ratio_high": (0, None, False),
     "actor.clip_ratio_c": (1, None, False),
     "actor.optim.lr": (0, None, True),
+    "actor.optim.min_lr": (0, None, True),
+    "actor.optim.warmup_steps": (0, None, True),
+    "actor.optim.weight_decay": (0, None, True),
+    "actor.optim.adam_eps": (0, None, False),
+    "actor.optim.clip_grad": (0, None, True),  # 0: no clipping
+    "critic.optim.lr": (0, None, True),
+    "critic.optim.clip_grad": (0, None, True),
+    # a negative coefficient would reward moving away from the reference
+    "actor.kl_loss_coef": (0, None, True),
+    "algorithm.kl_ctrl.kl_coef": (0, None, True),
+    "algorithm.kl_ctrl.target_kl": (0, None, False),
+    "algorithm.kl_ctrl.horizon": (1, None, True),
     "critic.ppo_mini_batch_size": (1, None, True),
     "critic.ppo_epochs": (1, None, True),
     "critic.micro_batch_tokens": (1, None, True),
@@ -166,6 +178,11 @@ def _check_choices_and_ranges(cfg: DictConfig, problems: list[str]) -> None:
             lo_s = "" if lo is None else f"{'>=' if lo_inclusive else '>'} {lo}"
             hi_s = "" if hi is None else f"<= {hi}"
             problems.append(f"{key}={value}: must be {' and '.join(s for s in (lo_s, hi_s) if s)}.")
+    for role in ("actor", "critic"):
+        for beta in ("adam_beta1", "adam_beta2"):
+            value = _get(cfg, f"{role}.optim.{beta}")
+            if not 0 <= value < 1:
+                problems.append(f"{role}.optim.{beta}={value}: must be >= 0 and < 1 (Adam's moment decay).")
     top_k = cfg.rollout.top_k
     if top_k != -1 and top_k < 1:
         problems.append(f"rollout.top_k={top_k}: must be -1 (off) or >= 1.")

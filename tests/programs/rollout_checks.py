@@ -1,19 +1,26 @@
 """Controller program for tests/test_rollout.py: one 1 + 4 rank world, every rollout check.
 
     mpiexec -disable-auto-cleanup -n 5 python launchers/hpcrl_entry.py tests/programs/rollout_checks.py OUT.json
+    mpiexec ... -n 3 python launchers/hpcrl_entry.py tests/programs/rollout_checks.py OUT.json die
 
 Actor (Megatron) and rollout (vLLM) share the worker processes. For each scenario: reshard the
 actor's weights into vLLM, compare vLLM's teacher-forced log-probs with the actor's, take an
 optimizer step (the rollout is now stale: the gap must grow), reshard again and compare again.
 On the tiny model also: greedy vLLM generations vs HF greedy generations from the exported
 weights, and sampled generations (n, top-p/top-k, stop strings) with the rollout/actor gap.
+
+`die`: 2 workers build a rollout TP=2 engine (vLLM's CPU shared-memory communicator), record the
+/dev/shm segments they map, and the whole world is SIGKILLed, leaving those segments behind for
+the next world on the machine (tests/test_rollout.py starts the main world right after).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -21,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from hpcrl.workers.actor_rollout import ActorRolloutRole
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "models" / "tiny-qwen2")
@@ -33,6 +42,27 @@ def _sibling(name: str) -> Any:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+class ShmActorRollout(ActorRolloutRole):
+    def shm_segments(self) -> list[str]:
+        """Names of the /dev/shm files this process maps (still linked ones only)."""
+        maps = Path("/proc/self/maps").read_text().splitlines()
+        return sorted({line.split("/dev/shm/", 1)[1] for line in maps
+                       if "/dev/shm/" in line and not line.endswith("(deleted)")})
+
+    def vllm_shm_name(self) -> dict[str, Any]:
+        """The name vLLM gives this rank's TP group's CPU shared memory, and whether the group uses
+        it (only where vLLM's CPU build has its shm ops: not in every ISA variant)."""
+        from vllm.distributed import parallel_state as vps
+        from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+        comm = vps.get_tp_group().device_communicator
+        return {"name": _CPUSHMDistributed.make_group_name(comm),
+                "active": isinstance(comm.dist_module, _CPUSHMDistributed)}
+
+    def pid(self) -> int:
+        return os.getpid()
 
 
 def make_cfg(model: str, tp: int, pp: int, rollout_tp: int, lr: float) -> dict[str, Any]:
@@ -66,13 +96,13 @@ def sync_scenario(model: str, tp: int, pp: int, rollout_tp: int, lr: float, n_se
                   bucket_mb: float) -> dict[str, Any]:
     """reshard -> compare -> optimizer step -> (stale gap) -> reshard -> compare."""
     from hpcrl.controller import WorkerGroup
-    from hpcrl.workers.actor_rollout import ActorRolloutRole, rollout_logprobs
+    from hpcrl.workers.actor_rollout import rollout_logprobs
     from hpcrl.workers.batching import arrange_minibatches
 
     t = time.time()
     mc = _sibling("megatron_checks")
     cfg = make_cfg(model, tp, pp, rollout_tp, lr)
-    group = WorkerGroup(ActorRolloutRole, init_kwargs={"cfg": cfg}, name=f"ar-{Path(model).name}-{rollout_tp}")
+    group = WorkerGroup(ShmActorRollout, init_kwargs={"cfg": cfg}, name=f"ar-{Path(model).name}-{rollout_tp}")
     batch = mc.text_batch(model, n_seqs)
     mask = batch["attention_mask"].clone()
     mask[:, 0] = 0
@@ -121,11 +151,27 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new: int) -> list[li
     return outs
 
 
+def die(out_path: str) -> None:
+    """Build a TP=2 rollout on 2 workers, record their shm segments, SIGKILL the whole world."""
+    from hpcrl.controller import WorkerGroup
+
+    group = WorkerGroup(ShmActorRollout, init_kwargs={"cfg": make_cfg(TINY, 1, 1, 2, 1e-3)}, name="die")
+    group.reshard_to_rollout(1.0)
+    out = {"segments": sorted({n for names in group.shm_segments() for n in names}), "pids": group.pid(),
+           "vllm_shm_names": group.vllm_shm_name()}
+    Path(out_path).write_text(json.dumps(out))
+    for pid in out["pids"]:
+        os.kill(pid, signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main() -> None:
     from hpcrl.engines.vllm import SamplingSettings
     from hpcrl.workers.actor_rollout import generate, logprob_gap
 
     out_path = sys.argv[1]
+    if sys.argv[2:] == ["die"]:
+        die(out_path)
     res: dict[str, Any] = {"timings": {}}
     tmp = Path(tempfile.mkdtemp(prefix="hpcrl-rollout-"))
     t_all = time.time()
@@ -224,6 +270,8 @@ def main() -> None:
     hf2 = hf_greedy(str(tmp / "tiny-tp2"), prompts, 24)
     vl2 = [tp2["input_ids"][i, len(p):int(tp2["attention_mask"][i].sum())].tolist() for i, p in enumerate(prompts)]
     res["tiny_tp2"]["greedy_equal_hf_after_export"] = sum(a == b for a, b in zip(vl2, hf2, strict=True))
+    res["tiny_tp2"]["shm_segments"] = sorted({n for names in s["group"].shm_segments() for n in names})
+    res["tiny_tp2"]["vllm_shm_names"] = s["group"].vllm_shm_name()
     s["group"].close_rollout()
     timed("tiny 2x2 -> rollout tp2", t0)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import os
+import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -66,6 +67,28 @@ def sample_seed(seed: int, prompt_index: int, sample: int, n: int) -> int:
     return (seed + prompt_index * n + sample) % SEED_SPACE
 
 
+def name_cpu_shm_per_engine() -> str:
+    """Give vLLM's CPU shared-memory segments (TP > 1) a name unique to this engine; returns the prefix.
+
+    vLLM names them after the distributed init method, which is always `env://` with the external
+    launcher, so every job on a node used the same names (`-tp:1-[0-1]-cpushm_0`, ...). A SIGKILLed
+    world leaves its segments in /dev/shm, and the next rollout world on the node then failed with
+    `create shm in SHMManager failed. errno: 17`. Collective over the workers' world: rank 0 draws
+    the prefix and broadcasts it, so that the ranks of a TP group agree on the name.
+    """
+    import torch.distributed as dist
+    from vllm.distributed.device_communicators import cpu_communicator
+
+    box = [f"hpcrl-{uuid.uuid4().hex[:12]}" if dist.get_rank() == 0 else ""]
+    dist.broadcast_object_list(box, src=0)
+    shm = cpu_communicator._CPUSHMDistributed
+    vllm_name = getattr(shm, "_hpcrl_vllm_name", shm.make_group_name)
+    shm._hpcrl_vllm_name = vllm_name
+    # vLLM's own name starts with "//" (from "env://"), which shm_open skips; a "/" inside is invalid
+    shm.make_group_name = staticmethod(lambda communicator: box[0] + vllm_name(communicator).lstrip("/"))
+    return box[0]
+
+
 class RolloutEngine:
     """A vLLM `LLM` in external-launcher (SPMD) mode on this rank."""
 
@@ -84,6 +107,9 @@ class RolloutEngine:
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
+
+        if not torch.cuda.is_available():
+            self.shm_prefix = name_cpu_shm_per_engine()
 
         kwargs: dict[str, Any] = {
             "model": model_path, "dtype": VLLM_DTYPES[dtype], "tensor_parallel_size": tensor_parallel,
