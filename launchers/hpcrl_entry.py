@@ -5,7 +5,8 @@
 
 Every rank imports the target (so worker classes defined there resolve by name on the
 workers), then rank 0 runs the target's function (default `main`, no arguments; it sees
-`sys.argv = [target, *args]`) as the controller and the other ranks serve worker groups.
+`sys.argv = [target, *args]`) as the controller and the other ranks serve worker groups. A
+non-zero int that the function returns becomes rank 0's exit status, after the clean shutdown.
 Why a separate entry: the launcher does not know the algorithm and the algorithm does not
 know how it was launched; a program may equally call `hpcrl.controller.run(main)` itself.
 """
@@ -80,7 +81,11 @@ def main(argv: list[str] | None = None) -> None:
         traceback.print_exc()
         print(f"[hpcrl entry] cannot load {ns.target!r}; aborting the job", file=sys.stderr, flush=True)
         abort(1)
-    run(fn, opts)
+    result = run(fn, opts)
+    # rank 0, after the clean shutdown: the program's exit status (e.g. 3 when the trainer stopped
+    # on non-finite steps), so that mpiexec / srun and Slurm see the run as failed
+    if isinstance(result, int) and not isinstance(result, bool) and result != 0:
+        sys.exit(result)
 
 
 if __name__ == "__main__":

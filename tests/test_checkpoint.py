@@ -399,3 +399,29 @@ def test_rank_seed_is_stable_and_distinct() -> None:
     assert others == {f"{rank_seed(1, 10, 0)} {rank_seed(3, 7, 5)}\n"}
     assert len({rank_seed(1, 10, r) for r in range(64)} | {rank_seed(1, 11, 0), rank_seed(2, 10, 0)}) == 66
 
+
+
+class _RunsCode:
+    """What a crafted checkpoint file holds: an object whose unpickling calls a function."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_crafted_pickle_in_a_checkpoint_is_refused(tmp_path: Path) -> None:
+    from hpcrl.checkpoint.megatron_state import read_rng_file
+
+    marker, evil = tmp_path / "pwned", tmp_path / "rank0.pt"
+    torch.save({"world_size": 1, "state": _RunsCode(marker)}, evil)
+    with pytest.raises(CheckpointError, match="rank0.pt: refused to load"):
+        read_rng_file(evil)
+    assert not marker.exists()
+    # the payload is real: a plain unpickle runs it
+    torch.load(evil, weights_only=False)
+    assert marker.exists()
+    # what hpcrl saves loads
+    torch.save({"world_size": 2, "state": {"torch": torch.get_rng_state(), "python": (3, (1, 2), None)}}, evil)
+    assert read_rng_file(evil)["world_size"] == 2

@@ -208,6 +208,16 @@ def test_malformed_config_is_refused_naming_the_key(case: dict) -> None:
     assert case.get("says", "") in named[0], named
 
 
+def test_data_with_too_many_unusable_rows_is_refused_before_launch(tmp_path) -> None:
+    rows = [json.dumps({"prompt": f"What is {i} + 1?", "data_source": "hpcrl/arith",
+                        "reward_model": {"ground_truth": str(i + 1)}}) for i in range(9)]
+    f = tmp_path / "d.jsonl"
+    f.write_text("\n".join([*rows, '{"prompt": 3}']) + "\n")  # 1 of 10 rows unusable
+    (msg,) = problems_of(f"data.train_files=[{f}]")
+    assert msg.startswith("data.train_files[0]=") and "1 of 10 rows unusable" in msg and "row 9" in msg, msg
+    validate(load_config(TINY, [f"data.train_files=[{f}]", "data.max_skipped_row_share=0.1"]))
+
+
 def test_catalogue_is_large_and_run_refuses_before_launch(tmp_path) -> None:
     assert len(CATALOGUE) >= 30
     # `hpcrl run` exits 2 before starting any process, and writes nothing: not even the run folder

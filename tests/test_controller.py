@@ -185,6 +185,24 @@ def test_64mb_roundtrip_bit_identical(scenarios: dict[str, Any]) -> None:
     assert scenarios["fetch_digest"] == scenarios["big_digest"]
 
 
+def test_tensors_travel_as_raw_buffers_not_pickles() -> None:
+    """What the round trip above relies on: the 64 MB tensor leaves the pickled header (a few hundred
+    bytes) and goes as one raw buffer that is the tensor's own memory (no copy on the way out)."""
+    from hpcrl.controller.codec import allocate, decode, encode
+    from hpcrl.controller.transport import dumps
+
+    big = torch.randint(0, 2**31 - 1, (16, 2**20), dtype=torch.int32)  # 16 rows of 4 MB
+    enc = encode(Batch({"x": big}, {"names": ["a"] * 16}))
+    assert len(dumps((enc.skeleton, enc.specs))) < 1024
+    assert enc.nbytes == 64 * 2**20 and len(enc.buffers) == 1
+    assert enc.buffers[0].ctypes.data == big.data_ptr()
+    objs, views = allocate(enc.specs)
+    for view, buf in zip(views, enc.buffers, strict=True):
+        view[:] = buf
+    back = decode(enc.skeleton, objs)
+    assert torch.equal(back["x"], big) and back.non_tensors["names"] == ["a"] * 16
+
+
 def test_colocated_groups_share_processes(scenarios: dict[str, Any]) -> None:
     assert [w["tag"] for w in scenarios["colocated"]] == ["b"] * 4
     assert [w["pid"] for w in scenarios["colocated"]] == [w["pid"] for w in scenarios["whoami"]]

@@ -155,6 +155,31 @@ def test_errors_name_file_and_key(tok, tmp_path):
         PromptDataset([write_jsonl(tmp_path / "p.jsonl", ROWS)], tok, max_prompt_length=5)
 
 
+def test_malformed_rows_are_skipped_with_their_numbers_up_to_a_share(tok, tmp_path, caplog):
+    good = [json.dumps(dict(ROWS[1], prompt=f"Simplify {i}/4.")).encode() for i in range(20)]
+    bad = [json.dumps({k: v for k, v in ROWS[1].items() if k != "prompt"}).encode(),  # no prompt
+           json.dumps(dict(ROWS[1], prompt=7)).encode(),  # wrong type
+           json.dumps(dict(ROWS[1], reward_model={"ground_truth": " "})).encode(),  # empty ground truth
+           b'{"prompt": "caf\xe9", "data_source": "math"}',  # not UTF-8 (latin-1 bytes)
+           b'{"prompt": "What is 1 +']  # cut off
+    lines = good[:10] + bad + good[10:]  # the bad rows are lines 11-15 (rows 10-14)
+    f = tmp_path / "mixed.jsonl"
+    f.write_bytes(b"\n".join(lines) + b"\n")
+    caplog.set_level(logging.WARNING, logger="hpcrl.data")
+    ds = PromptDataset([str(f)], tok, max_skipped_row_share=0.25)
+    assert (len(ds), ds.num_skipped) == (20, 5)
+    assert [ds[i].prompt_text.count("Simplify") for i in range(20)] == [1] * 20
+    assert "skipped 5 of 25 rows" in caplog.text
+    for where in ("row 10 has no 'prompt'", "row 11: 'prompt' must be chat messages",
+                  "row 12: 'reward_model.ground_truth' is empty", "line 14 is not valid UTF-8",
+                  "line 15 is not valid JSON"):
+        assert where in caplog.text, where
+    # above the share the file is refused, with the same numbers
+    with pytest.raises(ValueError, match=r"mixed\.jsonl: 5 of 25 rows unusable \(20\.0%; "
+                                         r"data\.max_skipped_row_share=0\.1\).*row 10 has no 'prompt'"):
+        PromptDataset([str(f)], tok, max_skipped_row_share=0.1)
+
+
 def take(sampler, n):
     return [sampler.next_batch() for _ in range(n)]
 

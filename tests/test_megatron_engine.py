@@ -158,3 +158,26 @@ def test_on_policy_update_without_the_old_logprob_pass_is_the_same(checks: dict)
     assert c["max_abs_diff"] < 1e-6, c  # ... identically with and without the separate pass
     # the rollout-vs-actor gap measured in the update equals the separate pass's
     assert abs(c["in_update"] - c["separate_pass"]) < 1e-6 and c["separate_pass"] > 1e-3, c
+
+
+def test_nonfinite_steps_are_skipped_and_counted(checks: dict) -> None:
+    c = checks["nonfinite"]
+    # both NaN mini-batches skipped on every rank: counted, weights untouched and finite
+    assert c["bad"] == {"nonfinite_steps_skipped": 2.0, "nonfinite_steps_in_a_row": 2.0}, c
+    assert c["bad_change"] == 0.0 and c["bad_finite"], c
+    # the next finite update steps as usual and resets the run of skips
+    assert c["good"] == {"nonfinite_steps_skipped": 0.0, "nonfinite_steps_in_a_row": 0.0}, c
+    assert c["good_change"] > 1e-6, c  # lr 1e-5: two Adam steps move a weight by about 2e-5
+
+
+def test_the_run_stops_after_max_nonfinite_steps_in_a_row() -> None:
+    from omegaconf import OmegaConf
+
+    from hpcrl.trainer.main import nonfinite_limit_reached
+
+    cfg = OmegaConf.create({"trainer": {"max_nonfinite_steps": 3}})
+    assert not nonfinite_limit_reached(cfg, {"actor/nonfinite_steps_in_a_row": 2.0})
+    assert nonfinite_limit_reached(cfg, {"actor/nonfinite_steps_in_a_row": 3.0})
+    assert nonfinite_limit_reached(cfg, {"actor/nonfinite_steps_in_a_row": 0.0, "critic/nonfinite_steps_in_a_row": 4.0})
+    assert not nonfinite_limit_reached(OmegaConf.create({"trainer": {"max_nonfinite_steps": 0}}),
+                                       {"actor/nonfinite_steps_in_a_row": 9.0})

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import pickle
 import random
 import re
 import threading
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 
 from hpcrl.checkpoint.files import FileRecord, file_record, fsync_dir, fsync_file, write_durable
+from hpcrl.checkpoint.store import CheckpointError
 from hpcrl.engines.megatron.convert import hf_to_megatron, layer_range, megatron_to_hf_partial
 from hpcrl.engines.megatron.model import ModelArch
 
@@ -202,6 +204,16 @@ def restore_rng(state: dict[str, Any]) -> None:
 def rank_seed(seed: int, step: int, rank: int) -> int:
     """A per-rank seed that depends on (seed, step, rank) only (stable across Python versions)."""
     return int.from_bytes(hashlib.sha256(f"{seed}:{step}:{rank}".encode()).digest()[:4], "little")
+
+
+def read_rng_file(path: Path) -> dict[str, Any]:
+    """A rank's saved RNG streams. Tensors and plain containers only: a checkpoint may come from
+    anywhere (a shared folder, a download), and a pickle can run any code when it is loaded."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise CheckpointError(f"{path}: refused to load, it holds more than tensors and plain containers "
+                              f"(code or objects that loading would run): {e}") from None
 
 
 def reseed_rng(seed: int, step: int, rank: int) -> None:
@@ -449,7 +461,7 @@ def load_engine(engine: Any, ckpt_dir: str | Path, role: str, rank: int, world_s
     rng_file = root / "rng" / f"rank{rank}.pt"
     rng = "reseeded"
     if exact and rng_file.is_file():
-        blob = torch.load(rng_file, weights_only=True)
+        blob = read_rng_file(rng_file)
         if blob["world_size"] == world_size:
             restore_rng(blob["state"])
             rng = "restored"

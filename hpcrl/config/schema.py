@@ -187,6 +187,10 @@ class DataConfig:
     train_batch_size: int = 8  # prompts per step
     val_batch_size: int = 64
     val_max_samples: int = 0  # validate on the first N validation prompts; 0 = all
+    # Rows that do not fit the schema (missing or mistyped fields, empty ground truth, lines that are
+    # not UTF-8 JSON) are skipped and logged with their numbers while they are at most this share of
+    # a file; above it the run is refused before it starts.
+    max_skipped_row_share: float = 0.01
     shuffle: bool = True
     seed: int = 1
 
@@ -206,6 +210,10 @@ class TrainerConfig:
     device: str = "auto"  # auto | cpu | cuda
     # Bound on every receive/collective: a hung or dead rank fails the run instead of hanging it.
     timeout_s: int = 600
+    # An optimizer step whose loss or gradient is NaN/Inf is skipped (weights and optimizer state
+    # unchanged, counted in actor|critic/nonfinite_steps_skipped); after this many in a row the run
+    # stops without saving, so the last checkpoint stays the last good state. 0: never stop.
+    max_nonfinite_steps: int = 3
 
 
 @dataclass

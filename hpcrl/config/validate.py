@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from hpcrl.config.loader import ConfigError
 
@@ -81,11 +82,13 @@ RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     "data.train_batch_size": (1, None, True),
     "data.val_batch_size": (1, None, True),
     "data.val_max_samples": (0, None, True),
+    "data.max_skipped_row_share": (0, 1, True),
     "trainer.total_steps": (0, None, True),
     "trainer.val_every": (0, None, True),
     "trainer.nnodes": (1, None, True),
     "trainer.workers_per_node": (1, None, True),
     "trainer.timeout_s": (1, None, True),
+    "trainer.max_nonfinite_steps": (0, None, True),
     "checkpoint.save_every": (0, None, True),
     "checkpoint.keep_last": (1, None, True),
     "checkpoint.keep_every": (0, None, True),
@@ -163,7 +166,19 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
+def _non_finite(node: Any, prefix: str = "") -> list[str]:
+    """Dotted keys whose value is a NaN or infinite float (every range check passes NaN)."""
+    if isinstance(node, DictConfig):
+        return [k for key in node if not OmegaConf.is_missing(node, key)
+                for k in _non_finite(node[key], f"{prefix}{key}.")]
+    if isinstance(node, float) and not math.isfinite(node):
+        return [prefix.rstrip(".")]
+    return []
+
+
 def _check_choices_and_ranges(cfg: DictConfig, problems: list[str]) -> None:
+    for key in _non_finite(cfg):
+        problems.append(f"{key}={_get(cfg, key)}: must be a finite number.")
     for key, allowed in CHOICES.items():
         value = _get(cfg, key)
         if value not in allowed:
@@ -319,6 +334,8 @@ def _check_paths(cfg: DictConfig, problems: list[str]) -> dict[str, Any] | None:
                                 "into data/.")
             elif not f.endswith((".parquet", ".jsonl", ".json")):
                 problems.append(f"{key}[{i}]={f!r}: must be .parquet or .jsonl.")
+            elif key == "data.train_files" or cfg.trainer.val_every:
+                _check_rows(cfg, f"{key}[{i}]", f, problems)
     if not cfg.data.train_files:
         problems.append("data.train_files: empty. List at least one .parquet or .jsonl file.")
     if cfg.checkpoint.resume not in ("auto", "never") and not Path(cfg.checkpoint.resume).is_dir():
@@ -335,6 +352,30 @@ def _check_paths(cfg: DictConfig, problems: list[str]) -> dict[str, Any] | None:
             problems.append(f"reward.function={fn!r}: module {module!r} is not importable. Put it on "
                             "PYTHONPATH on every node.")
     return hf
+
+
+def _check_rows(cfg: DictConfig, key: str, path: str, problems: list[str]) -> None:
+    """A data file's rows, read now rather than after the workers have started (or a day in a Slurm
+    queue): not too many unusable ones, and a builtin reward rule for every data_source."""
+    from hpcrl.data import scan_rows
+    from hpcrl.rewards.builtin import known_data_sources, style_of
+
+    try:
+        scan = scan_rows(path, cfg.data.prompt_key)
+    except (OSError, ValueError) as e:
+        problems.append(f"{key}={path!r}: unreadable ({e})")
+        return
+    refusal = scan.refusal(cfg.data.max_skipped_row_share)
+    if refusal:
+        problems.append(f"{key}={path!r}: {refusal}")
+    if cfg.reward.function != "builtin":
+        return
+    for source, rows in scan.sources().items():
+        if style_of(source) is None:
+            shown = ", ".join(map(str, rows[:5])) + (", ..." if len(rows) > 5 else "")
+            problems.append(f"{key}={path!r}: data_source {source!r} ({len(rows)} rows: {shown}) has no rule in "
+                            f"reward.function=builtin (it knows: {', '.join(known_data_sources())}). Set "
+                            "reward.function to a 'package.module:function' that scores it, or fix the rows.")
 
 
 def validate(cfg: DictConfig, check_paths: bool = True) -> None:

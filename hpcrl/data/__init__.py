@@ -6,7 +6,7 @@ with `ShuffledSampler.next_batch()`, saves `state_dict()` in checkpoints, and wa
 with `iterate_batches`.
 """
 
-from hpcrl.data.dataset import PromptDataset, PromptRow
+from hpcrl.data.dataset import PromptDataset, PromptRow, RowScan, scan_rows
 from hpcrl.data.sampler import ShuffledSampler, iterate_batches
 
-__all__ = ["PromptDataset", "PromptRow", "ShuffledSampler", "iterate_batches"]
+__all__ = ["PromptDataset", "PromptRow", "RowScan", "ShuffledSampler", "iterate_batches", "scan_rows"]

@@ -4,7 +4,9 @@ A row holds `prompt` (chat messages, a list of {role, content}; the key is `data
 `data_source` (picks the builtin reward rule), `reward_model.ground_truth`, and optionally `extra_info`
 (handed to the reward function). The tokenizer's chat template is applied once, at load, with the
 generation prompt, and prompts longer than `max_prompt_length` tokens are dropped (counted in
-`num_filtered` and logged) so that rollout never sees a prompt it would have to cut.
+`num_filtered` and logged) so that rollout never sees a prompt it would have to cut. `scan_rows`
+checks a file row by row without tokenizing (the config check runs it before a run starts): rows
+that do not fit the schema are skipped and named, up to a share of the file.
 """
 
 from __future__ import annotations
@@ -30,31 +32,90 @@ class PromptRow:
     index: int  # position in this dataset (what samplers hand out), after filtering
 
 
-def _read_rows(path: Path) -> list[dict[str, Any]]:
+def _records(path: Path) -> tuple[list[tuple[int, Any]], list[str]]:
+    """(row number, record) of every record of a data file, and a problem for each line of a JSON-lines
+    file that cannot be one (not UTF-8, not JSON). A missing file, an unknown type or a broken JSON
+    array is a whole-file error (raised)."""
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such data file. `make data` writes the arithmetic sets into "
                                 "data/arith; check data.train_files / data.val_files.")
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return pq.read_table(path).to_pylist()
-    if path.suffix in (".jsonl", ".json"):
-        text = path.read_text()
-        if path.suffix == ".json" and text.lstrip().startswith("["):
-            rows = json.loads(text)
-        else:
-            rows = []
-            for n, line in enumerate(text.splitlines(), 1):
-                if line.strip():
-                    try:
-                        rows.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}: line {n} is not valid JSON ({e}).") from e
-        for n, r in enumerate(rows):
-            if not isinstance(r, dict):
-                raise ValueError(f"{path}: row {n} is a {type(r).__name__}, expected a JSON object.")
-        return rows
-    raise ValueError(f"{path}: unsupported data file type {path.suffix!r}; use one of {', '.join(SUFFIXES)}.")
+        return list(enumerate(pq.read_table(path).to_pylist())), []
+    if path.suffix not in (".jsonl", ".json"):
+        raise ValueError(f"{path}: unsupported data file type {path.suffix!r}; use one of {', '.join(SUFFIXES)}.")
+    data = path.read_bytes()
+    if path.suffix == ".json" and data.lstrip().startswith(b"["):
+        try:
+            return list(enumerate(json.loads(data))), []
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ValueError(f"{path}: not a valid JSON array ({e}).") from e
+    records: list[tuple[int, Any]] = []
+    problems: list[str] = []
+    for n, raw in enumerate(data.split(b"\n"), 1):
+        if not raw.strip():
+            continue
+        try:
+            records.append((len(records) + len(problems), json.loads(raw.decode("utf-8"))))
+        except UnicodeDecodeError as e:
+            problems.append(f"{path}: line {n} is not valid UTF-8 ({e}).")
+        except json.JSONDecodeError as e:
+            problems.append(f"{path}: line {n} is not valid JSON ({e}).")
+    return records, problems
+
+
+@dataclass
+class RowScan:
+    """A data file checked row by row: the usable rows and one problem for each unusable one."""
+
+    path: Path
+    # (row number, chat messages, data_source, ground truth, extra_info) of each usable row
+    rows: list[tuple[int, list[dict[str, str]], str, str, dict[str, Any]]]
+    problems: list[str]
+
+    @property
+    def total(self) -> int:
+        return len(self.rows) + len(self.problems)
+
+    def sources(self) -> dict[str, list[int]]:
+        """The row numbers of each data_source."""
+        out: dict[str, list[int]] = {}
+        for n, _, source, _, _ in self.rows:
+            out.setdefault(source, []).append(n)
+        return out
+
+    def refusal(self, max_skipped_share: float) -> str | None:
+        """Why the file is refused (more unusable rows than the share allows), or None."""
+        if not self.problems or len(self.problems) <= max_skipped_share * self.total:
+            return None
+        return (f"{len(self.problems)} of {self.total} rows unusable ({len(self.problems) / self.total:.1%}; "
+                f"data.max_skipped_row_share={max_skipped_share:g}): " + " ".join(self.problems[:5])
+                + (" ..." if len(self.problems) > 5 else ""))
+
+
+def scan_rows(path: str | Path, prompt_key: str = "prompt") -> RowScan:
+    """Read a data file and check each row against the schema (no tokenizing)."""
+    path = Path(path)
+    records, problems = _records(path)
+    rows = []
+    for n, row in records:
+        try:
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}: row {n} is a {type(row).__name__}, expected a JSON object.")
+            msgs = _messages(_field(row, path, n, prompt_key), path, n, prompt_key)
+            source = str(_field(row, path, n, "data_source"))
+            truth = _field(row, path, n, "reward_model.ground_truth")
+            if truth in ("", [], {}) or (isinstance(truth, str) and not truth.strip()):
+                raise ValueError(f"{path}: row {n}: 'reward_model.ground_truth' is empty.")
+            extra = row.get("extra_info") or {}
+            if not isinstance(extra, dict):
+                raise ValueError(f"{path}: row {n}: 'extra_info' must be an object, got {type(extra).__name__}.")
+        except ValueError as e:
+            problems.append(str(e))
+            continue
+        rows.append((n, msgs, source, truth if isinstance(truth, str) else json.dumps(truth), extra))
+    return RowScan(path, rows, problems)
 
 
 def _messages(value: Any, path: Path, row: int, key: str) -> list[dict[str, str]]:
@@ -81,10 +142,13 @@ def _field(row: dict[str, Any], path: Path, n: int, key: str) -> Any:
 class PromptDataset:
     """All prompts of `files`, tokenized with the chat template, in file order.
 
-    `tokenizer` is a HuggingFace tokenizer with a chat template (or the path of one).
+    `tokenizer` is a HuggingFace tokenizer with a chat template (or the path of one). Rows that do not
+    fit the schema (or lines that are not UTF-8 JSON) are skipped and logged with their row or line
+    numbers while they are at most `max_skipped_row_share` of a file; above that the file is refused.
     """
 
-    def __init__(self, files: list[str], tokenizer: Any, prompt_key: str = "prompt", max_prompt_length: int = 512):
+    def __init__(self, files: list[str], tokenizer: Any, prompt_key: str = "prompt", max_prompt_length: int = 512,
+                 max_skipped_row_share: float = 0.0):
         if isinstance(tokenizer, (str, Path)):
             from transformers import AutoTokenizer
 
@@ -98,18 +162,20 @@ class PromptDataset:
         self.max_prompt_length = max_prompt_length
         messages: list[list[dict[str, str]]] = []
         meta: list[tuple[str, str, dict[str, Any]]] = []
+        self.num_skipped = 0
         for f in self.files:
-            path = Path(f)
-            rows = _read_rows(path)
-            for n, row in enumerate(rows):
-                msgs = _messages(_field(row, path, n, prompt_key), path, n, prompt_key)
-                source = str(_field(row, path, n, "data_source"))
-                truth = _field(row, path, n, "reward_model.ground_truth")
-                extra = row.get("extra_info") or {}
-                if not isinstance(extra, dict):
-                    raise ValueError(f"{path}: row {n}: 'extra_info' must be an object, got {type(extra).__name__}.")
+            scan = scan_rows(f, prompt_key)
+            refusal = scan.refusal(max_skipped_row_share)
+            if refusal:
+                raise ValueError(f"{f}: {refusal}")
+            if scan.problems:
+                self.num_skipped += len(scan.problems)
+                log.warning("data: %s: skipped %d of %d rows (data.max_skipped_row_share=%g): %s%s", f,
+                            len(scan.problems), scan.total, max_skipped_row_share, " ".join(scan.problems[:5]),
+                            " ..." if len(scan.problems) > 5 else "")
+            for _, msgs, source, truth, extra in scan.rows:
                 messages.append(msgs)
-                meta.append((source, truth if isinstance(truth, str) else json.dumps(truth), extra))
+                meta.append((source, truth, extra))
         if not messages:
             raise ValueError(f"data: {', '.join(self.files)} hold no rows.")
         texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in messages]

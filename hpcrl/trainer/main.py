@@ -103,6 +103,13 @@ class Checkpointer:
         return True
 
 
+def nonfinite_limit_reached(cfg: DictConfig, step_metrics: dict[str, float]) -> bool:
+    """The actor or the critic has skipped trainer.max_nonfinite_steps optimizer steps in a row."""
+    limit = int(cfg.trainer.max_nonfinite_steps)
+    return limit > 0 and any(step_metrics.get(f"{role}/nonfinite_steps_in_a_row", 0) >= limit
+                             for role in ("actor", "critic"))
+
+
 def train(cfg: DictConfig) -> int:
     """Build the groups, resume if there is something to resume, run the remaining steps."""
     from hpcrl.trainer.metrics import MetricsWriter, progress_line
@@ -133,6 +140,17 @@ def train(cfg: DictConfig) -> int:
         if "val/reward_mean" in m:
             metrics.write_validation(step - 1, {k: v for k, v in m.items() if k.startswith("val/")})
         log.info(progress_line(step, total, m))
+        if nonfinite_limit_reached(cfg, m):
+            # no save: the weights are those of the last finite step, but the last checkpoint is
+            # the last state known good, and a rerun resumes from it
+            log.error("stopping at step %d: %d optimizer steps in a row had a NaN/Inf loss or gradient and were "
+                      "skipped (trainer.max_nonfinite_steps=%d); nothing saved, the last checkpoint in %s is "
+                      "intact. Lower the learning rate or check the rewards and data.", step,
+                      int(max(m.get(f"{r}/nonfinite_steps_in_a_row", 0) for r in ("actor", "critic"))),
+                      cfg.trainer.max_nonfinite_steps, cfg.checkpoint.dir)
+            trainer.close()
+            metrics.close()
+            return 3
         last_step_s = time.perf_counter() - t
         stopped = watch.should_stop(last_step_s)
         if stopped or (save_every and step % save_every == 0 and step < total):

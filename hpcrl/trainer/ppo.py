@@ -93,9 +93,10 @@ class PPOTrainer:
         self.algo = cfg.algorithm
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
         d = cfg.data
-        self.train_data = PromptDataset(list(d.train_files), self.tokenizer, d.prompt_key, d.max_prompt_length)
-        self.val_data = (PromptDataset(list(d.val_files), self.tokenizer, d.prompt_key, d.max_prompt_length)
-                         if d.val_files and cfg.trainer.val_every else None)
+        self.train_data = PromptDataset(list(d.train_files), self.tokenizer, d.prompt_key, d.max_prompt_length,
+                                        d.max_skipped_row_share)
+        self.val_data = (PromptDataset(list(d.val_files), self.tokenizer, d.prompt_key, d.max_prompt_length,
+                                       d.max_skipped_row_share) if d.val_files and cfg.trainer.val_every else None)
         self.sampler = ShuffledSampler(len(self.train_data), d.train_batch_size, d.seed, d.shuffle)
         self.scorer = RewardScorer(cfg.reward.function, cfg.reward.timeout_s, cfg.reward.format_weight)
         self.kl_ctrl = make_kl_controller(self.plain["algorithm"]["kl_ctrl"])

@@ -149,9 +149,15 @@ class MegatronRole(Worker):
                 if after_step is not None:
                     after_step[0] += 1
         first = {k: history[0].pop(k) for k in list(history[0]) if k.startswith(FIRST_STEP_ONLY)}
+        skipped = sum(h.pop("nonfinite_skipped") for h in history)
+        in_a_row = [h.pop("nonfinite_in_a_row") for h in history][-1]
         out = {k: sum(h[k] for h in history) / len(history) for k in history[0]}
         out.update(first)
         out["optimizer_steps"] = float(len(history))
+        # steps skipped for a non-finite loss or gradient (the engine left the weights as they were),
+        # and how many in a row up to now: the trainer stops at trainer.max_nonfinite_steps
+        out["nonfinite_steps_skipped"] = skipped
+        out["nonfinite_steps_in_a_row"] = in_a_row
         return out
 
     @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.RANK0)

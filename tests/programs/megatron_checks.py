@@ -382,6 +382,24 @@ def main() -> None:
         actor.export_hf(str(tmp / f"upd-{tp}x{pp}"))
         res["update"][f"{tp}x{pp}"] = metrics
         timed(f"update tiny {tp}x{pp}", t0)
+    # non-finite: NaN advantages make the loss and every gradient NaN; both steps are skipped on
+    # every rank (at the largest layout) and the weights stay; then a finite update moves them
+    t0 = time.time()
+    before = merged(actor.hf_weights())
+    nan_batch = ub.select(range(len(ub)))  # a copy: copy.copy would share ub's field dict
+    nan_batch["advantages"] = torch.full_like(ub["advantages"], float("nan"))
+    bad = actor.update_actor(arrange_minibatches(nan_batch, 2, actor.layout.dp_size, "token-mean"), num_minibatches=2)
+    after_bad = merged(actor.hf_weights())
+    good = actor.update_actor(arrange_minibatches(ub.select(range(len(ub))), 2, actor.layout.dp_size,
+                                                  "token-mean"), num_minibatches=2)
+    after_good = merged(actor.hf_weights())
+    res["nonfinite"] = {
+        "layout": "{}x{}".format(*layouts[-1]), "bad": {k: bad[k] for k in bad if k.startswith("nonfinite")},
+        "good": {k: good[k] for k in good if k.startswith("nonfinite")},
+        "bad_change": max(float((after_bad[k] - before[k]).abs().max()) for k in before),
+        "bad_finite": all(bool(torch.isfinite(v).all()) for v in after_bad.values()),
+        "good_change": max(float((after_good[k] - after_bad[k]).abs().max()) for k in before)}
+    timed("non-finite steps", t0)
     big = "{}x{}".format(*layouts[-1])
     w1, w2 = load_safetensors_dir(str(tmp / "upd-1x1")), load_safetensors_dir(str(tmp / f"upd-{big}"))
     w0 = load_safetensors_dir(TINY)

@@ -8,6 +8,8 @@ methods of the controller runtime call into it.
 
 from __future__ import annotations
 
+import logging
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +27,8 @@ from hpcrl.engines.megatron.packing import (
     plan_padded_micro_batches,
     unpack_token_values,
 )
+
+log = logging.getLogger("hpcrl.engine")
 
 
 def init_model_parallel(tp: int, pp: int, seed: int = 1234, timeout_minutes: int = 10) -> None:
@@ -150,6 +154,7 @@ class MegatronEngine:
         self.optimizer: torch.optim.Optimizer | None = None
         self.optim = optim
         self.step_count = 0
+        self.nonfinite_in_a_row = 0  # optimizer steps skipped for a non-finite gradient, since the last good one
         # bf16 weights get fp32 master copies for the optimizer (as megatron's mixed-precision
         # optimizer does): Adam's small updates vanish when added to bf16 weights directly.
         self.master: list[torch.nn.Parameter] | None = None
@@ -488,6 +493,15 @@ class MegatronEngine:
             self.record_grads.append({n: self._grad(p).detach().float().clone()
                                       for n, p in self.model.named_parameters()})
         grad_norm = self._clip_grads(self.optim.clip_grad)
+        if not math.isfinite(grad_norm):
+            # A NaN/Inf loss or gradient would write NaN weights and Adam moments: skip the step.
+            # The norm is global (DP-reduced gradients, summed over TP and PP), so all ranks skip.
+            self.nonfinite_in_a_row += 1
+            log.warning("rank %d: optimizer step %d skipped, gradient norm %s (%d in a row)",
+                        torch.distributed.get_rank(), self.step_count + 1, grad_norm, self.nonfinite_in_a_row)
+            return {**self._sum_metrics(store), "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"],
+                    "nonfinite_skipped": 1.0, "nonfinite_in_a_row": float(self.nonfinite_in_a_row)}
+        self.nonfinite_in_a_row = 0
         for group in self.optimizer.param_groups:
             group["lr"] = self.optim.lr * lr_factor(self.step_count, self.optim)
         if self.master is not None:
@@ -500,7 +514,8 @@ class MegatronEngine:
                     p.copy_(m)
         self.step_count += 1
         sums = self._sum_metrics(store)
-        return {**sums, "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"]}
+        return {**sums, "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"],
+                "nonfinite_skipped": 0.0, "nonfinite_in_a_row": 0.0}
 
     def _sum_metrics(self, store: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         """Metric sums over micro-batches, DP ranks and (from the last stage) the pipeline; metrics
