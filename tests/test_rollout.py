@@ -17,7 +17,7 @@ import torch
 from conftest import PYTHON, run
 
 from hpcrl.launch import entry_argv, mpiexec_command
-from hpcrl.launch.shm import SHM_DIR, remove_stale_segments, stale_segments
+from hpcrl.launch.shm import SHM_DIR, remove_stale_segments, segment_age_s, stale_segments
 
 SCENARIOS = ["tiny_tp1", "tiny_tp2", "smollm2_tp1"]
 
@@ -33,8 +33,7 @@ def killed_world(tmp_path_factory: pytest.TempPathFactory) -> dict:
     left = json.loads(out.read_text())
     left["present_after_kill"] = [n for n in left["segments"] if (SHM_DIR / n).exists()]
     # the next world's start removes unmapped segments older than 2 s (hpcrl/launch/shm.py)
-    ages = [time.time() - max((SHM_DIR / n).stat().st_mtime, (SHM_DIR / n).stat().st_ctime)
-            for n in left["present_after_kill"]]
+    ages = [segment_age_s((SHM_DIR / n).stat(), time.time()) for n in left["present_after_kill"]]
     time.sleep(max(0.0, 2.5 - min(ages, default=2.5)))
     return left
 

@@ -85,13 +85,15 @@ class RowScan:
             out.setdefault(source, []).append(n)
         return out
 
+    def first_problems(self, n: int = 5) -> str:
+        return " ".join(self.problems[:n]) + (" ..." if len(self.problems) > n else "")
+
     def refusal(self, max_skipped_share: float) -> str | None:
         """Why the file is refused (more unusable rows than the share allows), or None."""
         if not self.problems or len(self.problems) <= max_skipped_share * self.total:
             return None
         return (f"{len(self.problems)} of {self.total} rows unusable ({len(self.problems) / self.total:.1%}; "
-                f"data.max_skipped_row_share={max_skipped_share:g}): " + " ".join(self.problems[:5])
-                + (" ..." if len(self.problems) > 5 else ""))
+                f"data.max_skipped_row_share={max_skipped_share:g}): {self.first_problems()}")
 
 
 def scan_rows(path: str | Path, prompt_key: str = "prompt") -> RowScan:
@@ -170,9 +172,8 @@ class PromptDataset:
                 raise ValueError(f"{f}: {refusal}")
             if scan.problems:
                 self.num_skipped += len(scan.problems)
-                log.warning("data: %s: skipped %d of %d rows (data.max_skipped_row_share=%g): %s%s", f,
-                            len(scan.problems), scan.total, max_skipped_row_share, " ".join(scan.problems[:5]),
-                            " ..." if len(scan.problems) > 5 else "")
+                log.warning("data: %s: skipped %d of %d rows (data.max_skipped_row_share=%g): %s", f,
+                            len(scan.problems), scan.total, max_skipped_row_share, scan.first_problems())
             for _, msgs, source, truth, extra in scan.rows:
                 messages.append(msgs)
                 meta.append((source, truth, extra))

@@ -47,6 +47,11 @@ def _in_use(dir_: Path) -> set[str]:
     return used
 
 
+def segment_age_s(st: os.stat_result, now: float) -> float:
+    """Seconds since a segment was created or last changed."""
+    return now - max(st.st_mtime, st.st_ctime)
+
+
 def stale_segments(dir_: Path = SHM_DIR, min_age_s: float = 2.0) -> list[Path]:
     """This user's segments under dir_ that match PATTERNS and that no process maps or holds open."""
     try:
@@ -62,7 +67,7 @@ def stale_segments(dir_: Path = SHM_DIR, min_age_s: float = 2.0) -> list[Path]:
             st = e.stat(follow_symlinks=False)
         except OSError:
             continue
-        if st.st_uid == uid and now - max(st.st_mtime, st.st_ctime) >= min_age_s and e.is_file(follow_symlinks=False):
+        if st.st_uid == uid and segment_age_s(st, now) >= min_age_s and e.is_file(follow_symlinks=False):
             candidates.append(e.name)
     if not candidates:
         return []  # the common case: no scan of /proc
@@ -77,8 +82,6 @@ def remove_stale_segments(dir_: Path = SHM_DIR, min_age_s: float = 2.0) -> list[
         try:
             path.unlink()
             removed.append(path)
-        except FileNotFoundError:  # another rank of this node removed it first
-            continue
-        except OSError:
+        except OSError:  # e.g. another rank of this node removed it first
             continue
     return removed

@@ -103,11 +103,15 @@ class Checkpointer:
         return True
 
 
+def nonfinite_in_a_row(step_metrics: dict[str, float]) -> int:
+    """Optimizer steps the actor or the critic has skipped in a row for a NaN/Inf gradient."""
+    return int(max(step_metrics.get(f"{role}/nonfinite_steps_in_a_row", 0) for role in ("actor", "critic")))
+
+
 def nonfinite_limit_reached(cfg: DictConfig, step_metrics: dict[str, float]) -> bool:
     """The actor or the critic has skipped trainer.max_nonfinite_steps optimizer steps in a row."""
     limit = int(cfg.trainer.max_nonfinite_steps)
-    return limit > 0 and any(step_metrics.get(f"{role}/nonfinite_steps_in_a_row", 0) >= limit
-                             for role in ("actor", "critic"))
+    return limit > 0 and nonfinite_in_a_row(step_metrics) >= limit
 
 
 def train(cfg: DictConfig) -> int:
@@ -146,8 +150,7 @@ def train(cfg: DictConfig) -> int:
             log.error("stopping at step %d: %d optimizer steps in a row had a NaN/Inf loss or gradient and were "
                       "skipped (trainer.max_nonfinite_steps=%d); nothing saved, the last checkpoint in %s is "
                       "intact. Lower the learning rate or check the rewards and data.", step,
-                      int(max(m.get(f"{r}/nonfinite_steps_in_a_row", 0) for r in ("actor", "critic"))),
-                      cfg.trainer.max_nonfinite_steps, cfg.checkpoint.dir)
+                      nonfinite_in_a_row(m), cfg.trainer.max_nonfinite_steps, cfg.checkpoint.dir)
             trainer.close()
             metrics.close()
             return 3

@@ -65,6 +65,11 @@ class ShmActorRollout(ActorRolloutRole):
         return os.getpid()
 
 
+def group_segments(group: Any) -> list[str]:
+    """The /dev/shm segments any worker of the group maps."""
+    return sorted({n for names in group.shm_segments() for n in names})
+
+
 def make_cfg(model: str, tp: int, pp: int, rollout_tp: int, lr: float) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
@@ -157,7 +162,7 @@ def die(out_path: str) -> None:
 
     group = WorkerGroup(ShmActorRollout, init_kwargs={"cfg": make_cfg(TINY, 1, 1, 2, 1e-3)}, name="die")
     group.reshard_to_rollout(1.0)
-    out = {"segments": sorted({n for names in group.shm_segments() for n in names}), "pids": group.pid(),
+    out = {"segments": group_segments(group), "pids": group.pid(),
            "vllm_shm_names": group.vllm_shm_name()}
     Path(out_path).write_text(json.dumps(out))
     for pid in out["pids"]:
@@ -270,7 +275,7 @@ def main() -> None:
     hf2 = hf_greedy(str(tmp / "tiny-tp2"), prompts, 24)
     vl2 = [tp2["input_ids"][i, len(p):int(tp2["attention_mask"][i].sum())].tolist() for i, p in enumerate(prompts)]
     res["tiny_tp2"]["greedy_equal_hf_after_export"] = sum(a == b for a, b in zip(vl2, hf2, strict=True))
-    res["tiny_tp2"]["shm_segments"] = sorted({n for names in s["group"].shm_segments() for n in names})
+    res["tiny_tp2"]["shm_segments"] = group_segments(s["group"])
     res["tiny_tp2"]["vllm_shm_names"] = s["group"].vllm_shm_name()
     s["group"].close_rollout()
     timed("tiny 2x2 -> rollout tp2", t0)

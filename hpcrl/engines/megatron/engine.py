@@ -493,29 +493,27 @@ class MegatronEngine:
             self.record_grads.append({n: self._grad(p).detach().float().clone()
                                       for n, p in self.model.named_parameters()})
         grad_norm = self._clip_grads(self.optim.clip_grad)
-        if not math.isfinite(grad_norm):
-            # A NaN/Inf loss or gradient would write NaN weights and Adam moments: skip the step.
-            # The norm is global (DP-reduced gradients, summed over TP and PP), so all ranks skip.
-            self.nonfinite_in_a_row += 1
+        # A NaN/Inf loss or gradient would write NaN weights and Adam moments: skip the step. The
+        # norm is global (DP-reduced gradients, summed over TP and PP), so all ranks skip alike.
+        finite = math.isfinite(grad_norm)
+        self.nonfinite_in_a_row = 0 if finite else self.nonfinite_in_a_row + 1
+        if finite:
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.optim.lr * lr_factor(self.step_count, self.optim)
+            if self.master is not None:
+                for p, m in zip(self.model.parameters(), self.master):
+                    m.grad = p.main_grad  # fp32 already: the masters step with it, no copy
+            self.optimizer.step()
+            if self.master is not None:
+                with torch.no_grad():
+                    for p, m in zip(self.model.parameters(), self.master):
+                        p.copy_(m)
+            self.step_count += 1
+        else:
             log.warning("rank %d: optimizer step %d skipped, gradient norm %s (%d in a row)",
                         torch.distributed.get_rank(), self.step_count + 1, grad_norm, self.nonfinite_in_a_row)
-            return {**self._sum_metrics(store), "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"],
-                    "nonfinite_skipped": 1.0, "nonfinite_in_a_row": float(self.nonfinite_in_a_row)}
-        self.nonfinite_in_a_row = 0
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.optim.lr * lr_factor(self.step_count, self.optim)
-        if self.master is not None:
-            for p, m in zip(self.model.parameters(), self.master):
-                m.grad = p.main_grad  # fp32 already: the masters step with it, no copy
-        self.optimizer.step()
-        if self.master is not None:
-            with torch.no_grad():
-                for p, m in zip(self.model.parameters(), self.master):
-                    p.copy_(m)
-        self.step_count += 1
-        sums = self._sum_metrics(store)
-        return {**sums, "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"],
-                "nonfinite_skipped": 0.0, "nonfinite_in_a_row": 0.0}
+        return {**self._sum_metrics(store), "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"],
+                "nonfinite_skipped": float(not finite), "nonfinite_in_a_row": float(self.nonfinite_in_a_row)}
 
     def _sum_metrics(self, store: list[dict[str, torch.Tensor]]) -> dict[str, float]:
         """Metric sums over micro-batches, DP ranks and (from the last stage) the pipeline; metrics

@@ -68,7 +68,7 @@ def sample_seed(seed: int, prompt_index: int, sample: int, n: int) -> int:
 
 
 def name_cpu_shm_per_engine() -> str:
-    """Give vLLM's CPU shared-memory segments (TP > 1) a name unique to this engine; returns the prefix.
+    """Give vLLM's CPU shared-memory segments (TP > 1) a name unique to this engine; returns its prefix.
 
     vLLM names them after the distributed init method, which is always `env://` with the external
     launcher, so every job on a node used the same names (`-tp:1-[0-1]-cpushm_0`, ...). A SIGKILLed
@@ -109,7 +109,7 @@ class RolloutEngine:
         from vllm import LLM
 
         if not torch.cuda.is_available():
-            self.shm_prefix = name_cpu_shm_per_engine()
+            name_cpu_shm_per_engine()
 
         kwargs: dict[str, Any] = {
             "model": model_path, "dtype": VLLM_DTYPES[dtype], "tensor_parallel_size": tensor_parallel,
