@@ -103,6 +103,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # every rank is a process; threads would oversubscribe
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # per-step engine chatter from every worker otherwise
+    # each rank also keeps its stderr in {run_dir}/logs/rank{R}.{host}.stderr (launchers/hpcrl_entry.py)
+    env["HPCRL_RUN_DIR"] = str(Path(cfg.trainer.run_dir).resolve())
     try:
         return subprocess.run(argv, env=env).returncode
     except KeyboardInterrupt:

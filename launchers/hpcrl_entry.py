@@ -9,15 +9,25 @@ workers), then rank 0 runs the target's function (default `main`, no arguments; 
 non-zero int that the function returns becomes rank 0's exit status, after the clean shutdown.
 Why a separate entry: the launcher does not know the algorithm and the algorithm does not
 know how it was launched; a program may equally call `hpcrl.controller.run(main)` itself.
+
+Every rank's stderr is also kept in a file (so that the controller can quote a rank that died
+inside C++, see hpcrl/controller/stderr_log.py): `$HPCRL_LOG_DIR/rank{R}.{host}.stderr` if set,
+else `$HPCRL_RUN_DIR/logs/rank{R}.{host}.stderr` (`hpcrl run` and the Slurm launcher set HPCRL_RUN_DIR), else
+`{tmp}/hpcrl-{uid}/stderr/rank{R}.{host}.{pid}.stderr`, removed when the rank ends cleanly (and
+after 3 days otherwise). `--no-stderr-capture` or HPCRL_STDERR_CAPTURE=0 turns it off.
 """
 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import importlib.util
 import os
+import socket
 import sys
+import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -43,16 +53,63 @@ def _load(target: str) -> Callable[[], Any]:
     return getattr(module, func)
 
 
+def _stderr_path() -> tuple[str, bool]:
+    """Where this rank's stderr is also kept, and whether that file is temporary.
+
+    The rank comes from the launcher's variables: MPI has not started yet (the capture must be in
+    place before it, and before any thread); the controller learns each rank's real path at start.
+    """
+    rank = next((os.environ[v] for v in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+                 if os.environ.get(v)), None)
+    host = socket.gethostname()
+    base = os.environ.get("HPCRL_LOG_DIR") or (
+        os.path.join(os.environ["HPCRL_RUN_DIR"], "logs") if os.environ.get("HPCRL_RUN_DIR") else "")
+    if base:  # kept with the run; a Slurm restart appends to the same file
+        name = f"rank{rank}.{host}.stderr" if rank is not None else f"pid{os.getpid()}.{host}.stderr"
+        return os.path.join(base, name), False
+    base = os.path.join(tempfile.gettempdir(), f"hpcrl-{os.getuid()}", "stderr")
+    _prune(base, 3 * 86400)
+    return os.path.join(base, f"rank{rank}.{host}.{os.getpid()}.stderr"), True
+
+
+def _prune(folder: str, max_age_s: float) -> None:
+    """Remove temporary stderr files of killed jobs (a clean rank removes its own)."""
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            if name.endswith(".stderr") and time.time() - os.stat(path).st_mtime > max_age_s:
+                os.unlink(path)
+        except OSError:
+            pass
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--heartbeat-timeout", type=float, help="seconds before a silent rank is declared lost")
     parser.add_argument("--heartbeat-interval", type=float, help="seconds between heartbeats")
     parser.add_argument("--no-torch-dist", action="store_true", help="do not build torch.distributed")
+    parser.add_argument("--no-stderr-capture", action="store_true",
+                        help="do not keep this rank's stderr in a file (the controller then cannot quote a dead rank)")
     parser.add_argument("target", help="prog.py[:func] or package.module[:func]")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     ns = parser.parse_args(argv)
     if importlib.util.find_spec("hpcrl") is None:
         sys.path.insert(0, _REPO)
+
+    # first, before MPI and threads start: the capture forks (see hpcrl/controller/stderr_log.py)
+    stderr_file, temporary = "", False
+    if not ns.no_stderr_capture and os.environ.get("HPCRL_STDERR_CAPTURE", "1") != "0":
+        from hpcrl.controller.stderr_log import start_capture
+
+        stderr_file, temporary = _stderr_path()
+        if not start_capture(stderr_file):
+            stderr_file = ""
+    # a segfault or abort in C/C++ then leaves the Python stacks of every thread in that file
+    faulthandler.enable(all_threads=True)
 
     # before MPI starts: segments that killed jobs left in /dev/shm (see hpcrl/launch/shm.py)
     from hpcrl.launch.shm import remove_stale_segments
@@ -72,6 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         opts.heartbeat_interval_s = ns.heartbeat_interval
     if ns.no_torch_dist:
         opts.torch_dist = False
+    opts.stderr_file = stderr_file
     sys.argv = [ns.target, *ns.args]
     try:
         fn = _load(ns.target)
@@ -82,6 +140,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"[hpcrl entry] cannot load {ns.target!r}; aborting the job", file=sys.stderr, flush=True)
         abort(1)
     result = run(fn, opts)
+    if temporary:  # a clean end: nothing to investigate (the copy to the terminal goes on until exit)
+        try:
+            os.unlink(stderr_file)
+        except OSError:
+            pass
     # rank 0, after the clean shutdown: the program's exit status (e.g. 3 when the trainer stopped
     # on non-finite steps), so that mpiexec / srun and Slurm see the run as failed
     if isinstance(result, int) and not isinstance(result, bool) and result != 0:

@@ -12,15 +12,20 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import time
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from conftest import PYTHON, REPO, run
 
-from hpcrl.checkpoint import CheckpointError, CheckpointStore
+from hpcrl.checkpoint import CheckpointError, CheckpointStore, DiskFullError
 from hpcrl.checkpoint.files import file_record, write_durable
 from hpcrl.checkpoint.store import LATEST, MANIFEST
 
@@ -226,6 +231,223 @@ def test_kill_at_every_stage_leaves_old_or_new_complete_checkpoint(tmp_path: Pat
     save(store, 50)
     assert store.latest_valid(verify_checksums=True) == tmp_path / "step_00000050"
     assert _tmp_dirs(tmp_path) == []  # the commit removed the debris of the killed saves
+
+
+# disk full during a save ------------------------------------------------------------------------
+@contextmanager
+def tmpfs(path: Path, size: int) -> Iterator[Path]:
+    """A real small file system at `path` (tmpfs of `size` bytes): its writes fail with ENOSPC."""
+    if os.geteuid() != 0:
+        pytest.skip("a full disk is made with `mount -t tmpfs`, which needs root")
+    path.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        pytest.skip(f"mount -t tmpfs is not permitted here: {r.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def _shard(nbytes: int) -> Any:
+    from hpcrl.checkpoint.megatron_state import ShardState
+
+    return ShardState({"param::w": torch.zeros(nbytes // 4)}, {"layout": {"tp_rank": 0, "pp_rank": 0}})
+
+
+def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path: Path) -> None:
+    """A 256 KiB tmpfs as the checkpoint folder: the first checkpoint fits, the second does not, at
+    every place it can run out (refused up front, a worker's shard, the controller's files, the
+    `latest` pointer). Each time: an error naming the path and the bytes, the partial save gone
+    (its space back), no step folder or pointer for it, and the first checkpoint the latest valid."""
+    from hpcrl.checkpoint.megatron_state import write_rng, write_shard
+
+    with tmpfs(tmp_path / "small", 256 << 10) as root:
+        store = CheckpointStore(root, keep_last=2)
+        first = save(store, 1, b"w" * 60_000)
+        block = os.statvfs(root).f_frsize
+        free = store.free_bytes()
+
+        def unchanged() -> None:
+            assert store.latest_valid(verify_checksums=True) == first and store.verify(first, checksums=True) == []
+            assert steps(store) == [1] and store.read_latest() == "step_00000001"
+            assert sorted(p.name for p in root.iterdir()) == [LATEST, first.name]  # no debris
+            assert store.free_bytes() == free  # the partial files' space came back
+
+        # refused before anything is written: the save's size against what is free
+        with pytest.raises(DiskFullError) as e:
+            store.check_space(2, 300_000)
+        msg = str(e.value)
+        assert str(root) in msg and "300000 bytes" in msg and f"only 0.2 MB ({free} bytes) free" in msg, msg
+        assert "step_00000001 is intact" in msg
+        unchanged()
+
+        # a worker's shard runs out half-way (safetensors says so in its own error type)
+        tmp = store.begin(2)
+        with pytest.raises(DiskFullError) as e:
+            write_shard(_shard(400_000), tmp, "actor")
+        msg = str(e.value)
+        assert f"no space left writing {tmp}/actor/pp0_tp0.safetensors (actor shard of TP rank 0, stage 0, ~0.4 MB (" \
+            in msg and f"({free} bytes) free on its file system" in msg, msg
+        assert not (tmp / "actor" / "pp0_tp0.safetensors").exists()  # the partial file is gone at once
+        store.abandon(tmp)  # what the controller does once every writer returned
+        unchanged()
+
+        # the RNG file (torch.save into a full file says "unexpected pos", naming nothing)
+        tmp = store.begin(2)
+        write_durable(tmp / "filler", b"f" * store.free_bytes())
+        with pytest.raises(DiskFullError, match=f"no space left writing {tmp}/rng/rank3.pt .RNG states of torch"):
+            write_rng(tmp, 3, 4, {"torch": torch.get_rng_state()})
+        assert not (tmp / "rng" / "rank3.pt").exists()
+        store.abandon(tmp)
+        unchanged()
+
+        def worker_files(room: int) -> tuple[Path, list[Any]]:
+            """A save whose worker files fit, leaving `room` bytes for the controller's files."""
+            tmp = store.begin(2)
+            (tmp / "actor").mkdir()
+            f = tmp / "actor" / "pp0_tp0.safetensors"
+            write_durable(f, b"x" * (store.free_bytes() - room))
+            return tmp, [file_record(f, tmp)]
+
+        # the controller's state file does not fit
+        tmp, records = worker_files(0)
+        with pytest.raises(DiskFullError) as e:
+            store.commit(tmp, 2, records, {"step": 2}, "trainer:\n  seed: 1\n")
+        msg = str(e.value)
+        assert f"checkpoint of step 2 does not fit in {root}" in msg and f"writing {tmp}/controller_state.json" in msg
+        assert f"the save needs ~0.2 MB ({records[0]['size']} bytes)" in msg and f"({free} bytes) are free" in msg
+        unchanged()
+
+        # everything fits but the new `latest`: the renamed folder is taken away again
+        tmp, records = worker_files(3 * block)  # controller state, config, manifest: one block each
+        with pytest.raises(DiskFullError, match=f"writing {root}/latest"):
+            store.commit(tmp, 2, records, {"step": 2}, "trainer:\n  seed: 1\n")
+        unchanged()
+
+        # and with the space there, the next save commits as usual
+        assert save(store, 3, b"w" * 60_000) == store.latest_valid() and steps(store) == [1, 3]
+
+
+class _FakeGroup:
+    """A trained group of one rank in this process, writing a real shard with the workers' code
+    (write_shard / write_rng); async: the write happens at wait_checkpoint, as in the thread."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.state = _shard(nbytes)
+        self.pending: str | None = None
+
+    def checkpoint_nbytes(self) -> list[int]:
+        from hpcrl.checkpoint.megatron_state import shard_nbytes
+
+        return [shard_nbytes(self.state) + 8192]
+
+    def _write(self, ckpt_dir: str) -> list[Any]:
+        from hpcrl.checkpoint.megatron_state import write_rng, write_shard
+
+        return write_shard(self.state, ckpt_dir, "actor") + write_rng(ckpt_dir, 0, 1, {"t": torch.get_rng_state()})
+
+    def save_checkpoint(self, ckpt_dir: str, async_save: bool = False) -> list[Any]:
+        if async_save:
+            self.pending = ckpt_dir
+            return [[]]
+        return [self._write(ckpt_dir)]
+
+    def wait_checkpoint(self) -> list[Any]:
+        ckpt_dir, self.pending = self.pending, None
+        return [self._write(ckpt_dir) if ckpt_dir else []]
+
+
+class _State:
+    def __init__(self) -> None:
+        self.value: dict[str, int] = {}
+
+    def state_dict(self) -> dict[str, int]:
+        return dict(self.value)
+
+    def load_state_dict(self, d: dict[str, int]) -> None:
+        self.value = dict(d)
+
+
+SHARD = 100_000
+
+
+class _FakePPOTrainer:
+    """What train() needs of PPOTrainer, without workers: steps that change nothing, one group.
+    At step 3 an operator frees the space a filler file took (`free_at_3`)."""
+
+    free_at_3: Path | None = None
+
+    def __init__(self, cfg: Any) -> None:
+        self.step = 0
+        self.sampler, self.kl_ctrl = _State(), _State()
+        self.val_data = None
+        self.group = _FakeGroup(SHARD)
+
+    def trained_groups(self) -> list[_FakeGroup]:
+        return [self.group]
+
+    def train_step(self, step: int) -> dict[str, float]:
+        if step == 3 and self.free_at_3 is not None:
+            self.free_at_3.unlink()
+        return {"actor/loss": 0.0}
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("case", ["stop", "stop-async-write", "continue"])
+def test_a_run_whose_checkpoint_does_not_fit_stops_with_status_4_or_goes_on(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, case: str) -> None:
+    """train() with checkpoint.dir on a tmpfs that holds 3 checkpoints' shards, one taken by a
+    filler file, keep_last=1: the save of step 2 does not fit. stop: exit status 4 with the error
+    logged, step 1 the latest valid checkpoint. Async with the estimate passing (the disk filled
+    after the check): the writer's error surfaces at finish_pending, same outcome. continue: a
+    warning, training goes on, and once space is freed the final save of step 3 commits."""
+    from omegaconf import OmegaConf
+
+    from hpcrl.config.schema import HpcrlConfig
+    from hpcrl.trainer import main as trainer_main
+
+    with tmpfs(tmp_path / "small", 3 * SHARD // 4096 * 4096) as root:
+        filler = root / "filler"
+        write_durable(filler, b"f" * SHARD)
+        monkeypatch.setattr(_FakePPOTrainer, "free_at_3", filler if case == "continue" else None)
+        monkeypatch.setitem(sys.modules, "hpcrl.trainer.ppo", types.SimpleNamespace(PPOTrainer=_FakePPOTrainer))
+        if case == "stop-async-write":  # another writer takes the space after the check
+            monkeypatch.setattr(CheckpointStore, "check_space", lambda self, step, needed: None)
+        cfg = OmegaConf.merge(OmegaConf.structured(HpcrlConfig), {
+            "trainer": {"run_dir": str(tmp_path / "run"), "total_steps": 3},
+            "logging": {"tensorboard": False},
+            "checkpoint": {"dir": str(root / "checkpoints"), "save_every": 1, "keep_last": 1,
+                           "async_save": case == "stop-async-write", "on_save_error": case.split("-")[0]}})
+        caplog.set_level(logging.INFO)
+        sigterm = signal.getsignal(signal.SIGTERM)  # train() installs its preemption handler
+        try:
+            status = trainer_main.train(cfg)
+        finally:
+            signal.signal(signal.SIGTERM, sigterm)
+        store = CheckpointStore(root / "checkpoints")
+        assert not _tmp_dirs(root / "checkpoints")
+        failed = "checkpoint of step 2 not saved: "
+        if case == "continue":
+            assert status == 0 and store.latest_valid() == store.find(3) and steps(store) == [3], caplog.text
+            assert "Training goes on (checkpoint.on_save_error=continue)" in caplog.text
+            assert "checkpoints of steps [2] could not be saved" in caplog.text
+        else:
+            assert status == trainer_main.SAVE_FAILED_EXIT == 4, caplog.text
+            assert store.latest_valid(verify_checksums=True) == store.find(1) and steps(store) == [1]
+            assert "Exit status 4" in caplog.text and "step 1 of 3" not in caplog.text
+            if case == "stop":
+                assert f"{failed}checkpoint of step 2 needs ~" in caplog.text and str(root) in caplog.text
+                assert "stopping after step 2 of 3: the checkpoint of step 2 could not be saved" in caplog.text
+            else:
+                assert f"{failed}no space left writing {root}/checkpoints/.tmp-step_00000002-" in caplog.text
+                assert "/actor/pp0_tp0.safetensors" in caplog.text
+                assert "stopping after step 3 of 3: the checkpoint of step 2 could not be saved" in caplog.text
+        lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        assert len(lines) == {"stop": 2, "stop-async-write": 2, "continue": 3}[case]
 
 
 # the CLI ---------------------------------------------------------------------------------------

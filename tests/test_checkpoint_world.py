@@ -3,7 +3,8 @@
 tests/programs/checkpoint_checks.py runs every scenario in one world; these tests assert on what it
 measured: same-layout save -> load is byte-identical (weights, AdamW moments and steps, step_count)
 and stays bit-exact for a further step; a TP=2 save loads at TP=1 with log-probs within 1e-5; the
-offline HF export gives HF transformers log-probs within 1e-5.
+offline HF export gives HF transformers log-probs within 1e-5; a save onto a full disk (tmpfs)
+fails on the controller with a clear error and the world goes on.
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from conftest import PYTHON, run
 from hpcrl.launch import entry_argv, mpiexec_command
 
 WORKERS = int(os.environ.get("HPCRL_TEST_WORKERS", "4"))
-pytestmark = pytest.mark.skipif(WORKERS % 2 != 0, reason="the TP=2 save needs an even number of workers")
 
 
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    if WORKERS % 2:  # a failure, not a skip: nothing of this module would have been checked
+        pytest.fail(f"HPCRL_TEST_WORKERS={WORKERS}: the TP=2 save needs an even number of workers")
     out = tmp_path_factory.mktemp("ckpt") / "checks.json"
     cmd = mpiexec_command(WORKERS, entry_argv("tests/programs/checkpoint_checks.py", [str(out)], python=PYTHON))
     r = run(cmd, timeout=600)
@@ -105,3 +107,26 @@ def test_export_hf_matches_engine(checks: dict) -> None:
     assert {"model-00001-of-00001.safetensors", "model.safetensors.index.json", "config.json",
             "tokenizer.json"} <= set(checks["export_files"])
     assert checks["export_hf_logprob_vs_A"] < 1e-5
+
+
+def test_save_onto_a_full_disk_fails_on_the_controller_and_keeps_every_rank(checks: dict) -> None:
+    d = checks["disk_full"]
+    if "skipped" in d:
+        pytest.skip(d["skipped"])
+    assert d["first_saved"] is True
+    kept = {"latest_valid": "step_00000002", "steps": [2], "debris": [], "free_back": True, "first_verifies": True}
+    assert d["refused_returned"] is False and d["refused_state"] == kept, d
+    assert "checkpoint of step 3 needs ~" in d["refused_log"] and f"in {d['root']}, only" in d["refused_log"]
+    assert "bytes) free" in d["refused_log"] and "nothing was written" in d["refused_log"]
+    # a worker's write ran out: its DiskFullError reaches the controller as the save's result
+    assert d["sync_returned"] is False and d["sync_state"] == kept, d
+    assert f"no space left writing {d['root']}/.tmp-step_00000003-" in d["sync_log"], d["sync_log"]
+    # (whichever rank's write ran out first: a shard of DP replica 0, or any rank's RNG file)
+    assert ("/actor/pp" in d["sync_log"] or "/rng/rank" in d["sync_log"]) and "(worker rank" in d["sync_log"], d
+    assert "ckpt-P.save_checkpoint" in d["sync_log"] and "Its partial files are removed" in d["sync_log"]
+    # async: the writer thread's error surfaces at finish_pending, on the controller
+    assert d["async_save_returned"] is True and d["async_finish_returned"] is False and d["async_state"] == kept, d
+    assert "async checkpoint write of actor: no space left writing" in d["async_log"], d["async_log"]
+    assert "ckpt-P.wait_checkpoint" in d["async_log"]
+    # no rank hangs or is left behind: every one answers, with the weights it had
+    assert d["wait_after"] == [[]] * WORKERS and d["logprob_equal"]

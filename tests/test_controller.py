@@ -35,8 +35,12 @@ SLACK_S = 3.0
 
 def _run_world(tmp: Path, program: str, args: list[str], env: dict[str, str], timeout: float
                ) -> subprocess.CompletedProcess:
-    """Run one 1 + 4 rank world with the default single-machine launch route; never hangs."""
+    """Run one 1 + 4 rank world with the default single-machine launch route; never hangs.
+
+    The ranks' stderr files (hpcrl/controller/stderr_log.py) go to `tmp/logs` unless `env` says.
+    """
     cmd = mpiexec_command(4, entry_argv(str(PROGRAMS / program), args))
+    env = {"HPCRL_LOG_DIR": str(tmp / "logs"), **env}
     proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **env}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
@@ -280,6 +284,75 @@ def test_sigkill_controller_makes_workers_exit(tmp_path: Path) -> None:
     # The workers end either through their heartbeat check ("controller ... silent") or because
     # the launcher tears the job down once the controller's process is gone; both are fine.
     _assert_all_gone([w["pid"] for w in data["workers"]], str(out))
+
+
+def test_cxx_death_in_a_collective_is_named_first(tmp_path: Path) -> None:
+    """Rank 3 throws a C++ exception nothing catches (std::terminate, SIGABRT) while ranks 1, 2, 4
+    wait for it in a gloo all_reduce. The peers' `Connection closed by peer` errors reach the
+    controller first; the error must still name rank 3, with its own stderr, and list the peers
+    after it as consequences."""
+    out, logs = tmp_path / "cxx.json", tmp_path / "logs"
+    res = _run_world(tmp_path, "ctrl_kill.py", [str(out), "cxx"],
+                     {"HPCRL_HEARTBEAT_TIMEOUT": str(BOUND_S), "HPCRL_HEARTBEAT_INTERVAL": "0.5"}, timeout=120)
+    data = json.loads(out.read_text())
+    assert res.returncode != 0
+    error, failures = data["error"], data["failures"]
+    victim = next(w for w in data["workers"] if w["mpi_rank"] == 3)
+    assert (data["error_type"], data["error_rank"]) == ("WorkerDiedError", 3), error
+    head = error.splitlines()[0]
+    assert f"worker rank 3 (host {HOST}, pid {victim['pid']}) is lost: its process died" in head
+    assert "SIGABRT after C++ std::terminate: uncaught std::runtime_error: hpcrl-test: this rank dies" in head
+    # its last words, quoted from its stderr file: libstdc++'s text and faulthandler's stack
+    assert "terminate called after throwing an instance of 'std::runtime_error'" in error
+    assert "Fatal Python error: Aborted" in error and "in reduce_then_die" in error
+    # the peers: each either failed as a consequence or is still inside the collective
+    assert failures[0] == {"rank": 3, "kind": "died", "consequence": False}
+    assert sorted(f["rank"] for f in failures) == [1, 2, 3, 4]
+    assert all(f["consequence"] or f["kind"] == "no reply" for f in failures[1:]), failures
+    consequences = [f["rank"] for f in failures if f["consequence"]]
+    assert consequences, failures
+    listed = error.split("\nconsequences (", 1)[1]
+    for r in consequences:
+        assert f"rank {r} (host {HOST}" in listed and "Connection closed by peer" in listed
+    assert data["error_at"] - data["started_at"] < 0.5 + 1.0 + SLACK_S  # death delay + grace, not the bound
+    # the terminal copy is unchanged, and the file outlived the rank
+    assert "terminate called after throwing an instance of 'std::runtime_error'" in res.stderr
+    (log,) = logs.glob("rank3.*.stderr")
+    assert "what():  hpcrl-test: this rank dies inside C++" in log.read_text()
+    _assert_all_gone([data["controller_pid"], *(w["pid"] for w in data["workers"])], str(out))
+    _assert_all_gone([], str(logs))  # the stderr copiers ended with their ranks
+
+
+def test_failures_are_ordered_cause_first() -> None:
+    """The classification on texts as libraries print them (gloo, libstdc++, faulthandler, glibc)."""
+    from hpcrl.controller import RankFailure, postmortem
+    from hpcrl.controller.stderr_log import StderrSection
+
+    gloo = ("RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed "
+            "by peer [127.0.0.1]:38579. This is typically caused by a remote worker crashing.")
+    assert postmortem.is_consequence(gloo)
+    assert postmortem.is_consequence("DistBackendError: NCCL error: remote process exited or there was a network error")
+    assert not postmortem.is_consequence("ValueError: kaboom from group rank 2")
+    enforce = ("terminate called after throwing an instance of 'gloo::EnforceNotMet'\n  what():  [enforce fail at "
+               "../third_party/gloo/gloo/transport/tcp/pair.cc:446] Read error [10.0.0.7]:4711: Connection reset "
+               "by peer\nFatal Python error: Aborted\n\nCurrent thread 0x01 (most recent call first):\n"
+               "  File \"x.py\", line 1")
+    what, consequence = postmortem.describe_death(enforce)
+    assert what.startswith("SIGABRT after C++ std::terminate: uncaught gloo::EnforceNotMet: [enforce fail")
+    assert consequence  # it died of a peer's death
+    assert postmortem.describe_death("Fatal Python error: Segmentation fault\n\nThread 0x1")[0].startswith("SIGSEGV")
+    glibc = postmortem.describe_death("double free or corruption (out)\n")[0]
+    assert glibc == "SIGABRT after double free or corruption (out)"
+    assert "SIGKILL" in postmortem.describe_death("")[0]
+    t = 1000.0
+    killed = postmortem.died(4, "rank 4", StderrSection("f", True, "", exited_at=t), t)  # the OOM killer
+    aborted = postmortem.died(2, "rank 2", StderrSection("f", True, enforce, exited_at=t + 0.002), t + 0.002)
+    peer = RankFailure(1, "rank 1", "raised", gloo, at=t - 0.001, consequence=True)  # its clock runs behind
+    silent = RankFailure(3, "rank 3", "no reply", "no reply")
+    own = RankFailure(5, "rank 5", "raised", "ValueError: bad input", at=t + 5)
+    ordered = postmortem.order([silent, peer, aborted, own, killed])
+    assert [f.rank for f in ordered] == [4, 5, 2, 1, 3]  # causes by time, then consequences (deaths first)
+    assert "Fatal Python error: Aborted" in aborted.stderr_excerpt
 
 
 # ---------------------------------------------------------------- Slurm hetjob route

@@ -5,21 +5,27 @@ TP=2, checkpoints every 4 steps). On the local Slurm cluster the same run (1 con
 x 2 workers: the same 4-rank layout) is
   - sent SIGUSR1 after step 3 (what `--signal=B:USR1@N` does before the time limit): the controller
     saves at the next step boundary, requeues the job itself, and the restarted job resumes;
-  - preempted by a job on a higher-priority partition (PreemptMode=REQUEUE: TERM, grace, requeue).
-Both must finish with the reference's final weights and optimizer state and the same per-step metrics.
-Locally: a run that ends exactly at an epoch boundary and is continued runs the remaining steps.
+  - preempted by a job on a higher-priority partition (PreemptMode=REQUEUE: TERM, grace, requeue);
+  - killed: a worker SIGKILLed in the update, then another in the rollout, then the controller: each
+    time the job fails (the loss named with rank and host within the heartbeat bound), requeues itself
+    and resumes from the last checkpoint.
+All must finish with the reference's final weights and optimizer state and the same per-step metrics.
+Locally: a run whose whole MPI world is SIGKILLed in a save resumes from the previous checkpoint, at an
+epoch boundary, and ends as a run that never stopped.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import ARITH, HPCRL, TRAIN_OVERRIDES, TRAIN_STEPS, hpcrl_run, read_jsonl, run
+from conftest import ARITH, HPCRL, REPO, TRAIN_OVERRIDES, TRAIN_STEPS, hpcrl_run, read_jsonl, run
 
 SLURM_OVERRIDES = [*TRAIN_OVERRIDES, "algorithm.adv_estimator=grpo", "checkpoint.save_every=4",
                    "trainer.workers_per_node=2"]
@@ -28,9 +34,9 @@ SLURM_OVERRIDES = [*TRAIN_OVERRIDES, "algorithm.adv_estimator=grpo", "checkpoint
 TIMING = ("time/", "throughput/", "memory/")
 
 
-def submit(run_dir: Path, partition: str) -> str:
+def submit(run_dir: Path, partition: str, *extra: str, env: dict[str, str] | None = None) -> str:
     r = run([HPCRL, "submit", "--nodes", "2", "--partition", partition, "--json", "configs/grpo_tiny.yaml",
-             f"trainer.run_dir={run_dir}", *SLURM_OVERRIDES], timeout=120)
+             f"trainer.run_dir={run_dir}", *SLURM_OVERRIDES, *extra], timeout=120, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     return str(json.loads(r.stdout.strip().splitlines()[-1])["job_id"])
 
@@ -55,12 +61,17 @@ def job_status(job: str) -> dict:
     return json.loads(r.stdout) if r.returncode == 0 and r.stdout.strip() else {}
 
 
-def finished(job: str, partition: str) -> bool:
-    st = job_status(job)
+def poke_if_pending(job: str, partition: str, st: dict | None = None) -> dict:
+    """This local cluster leaves a requeued hetjob pending for ~76 s until the partition is touched
+    (docs/slurm.md); a real scheduler's next cycle starts it. Touching it changes nothing else."""
+    st = job_status(job) if st is None else st
     if st.get("state") == "PENDING":
-        # this local cluster leaves a requeued hetjob pending for ~76 s until the partition is touched
-        # (docs/slurm.md); a real scheduler's next cycle starts it. Touching it changes nothing else.
         subprocess.run(["scontrol", "update", f"PartitionName={partition}", "State=UP"], capture_output=True)
+    return st
+
+
+def finished(job: str, partition: str) -> bool:
+    st = poke_if_pending(job, partition)
     comps = st.get("components") or []
     return len(comps) == 2 and all(c["state"] not in ("PENDING", "RUNNING", "REQUEUED", "COMPLETING", "SUSPENDED",
                                                       "PREEMPTED") for c in comps)
@@ -143,16 +154,130 @@ def test_preempted_by_higher_priority_job_resumes_bit_exact(slurm_cluster: None,
     check_same_as_reference(run_dir, grpo_reference)
 
 
-def test_resume_at_epoch_boundary_runs_the_remaining_steps(tmp_path: Path) -> None:
-    """24 prompts, 8 per step: an epoch is 3 steps. Stop exactly there, continue to 5 steps."""
-    data = tmp_path / "train24.parquet"
-    pq.write_table(pq.read_table(ARITH / "train.parquet").slice(0, 24), data)
-    run_dir = tmp_path / "epoch"
-    common = [f"data.train_files=[{data}]", "checkpoint.save_every=0"]
-    first = hpcrl_run(run_dir, *common, "trainer.total_steps=3")
-    assert [m["data/epoch"] for m in first] == [0, 0, 0]
-    steps = hpcrl_run(run_dir, *common, "trainer.total_steps=5")
-    assert [m["step"] for m in steps] == [1, 2, 3, 4, 5]
-    assert [m["data/epoch"] for m in steps] == [0, 0, 0, 1, 1]
+def job_ranks(run_dir: Path) -> dict[int, int]:
+    """MPI rank -> pid of the run's hpcrl_entry processes (all nodes of the local cluster are this machine)."""
+    found: dict[int, int] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            argv = (d / "cmdline").read_bytes().split(b"\0")
+            if not any(a.endswith(b"hpcrl_entry.py") for a in argv):
+                continue
+            env = dict(kv.split(b"=", 1) for kv in (d / "environ").read_bytes().split(b"\0") if b"=" in kv)
+            parent = (Path("/proc") / (d / "stat").read_text().rsplit(")", 1)[1].split()[1] / "cmdline").read_bytes()
+        except (OSError, IndexError):
+            continue
+        if env.get(b"HPCRL_RUN_DIR") == str(run_dir).encode() and b"hpcrl_entry.py" not in parent:
+            found[int(env[b"SLURM_PROCID"])] = int(d.name)  # a forked child of a rank is not a rank
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slurm
+def test_killed_worker_and_controller_requeue_and_resume_bit_exact(slurm_cluster: None,
+                                                                    grpo_reference: tuple[Path, list[dict]],
+                                                                    tmp_path: Path) -> None:
+    """kill -9 of rank 2 in its 6th update (step 6), of rank 3 in the 5th rollout after the restart
+    (step 9), then of the controller: three failures, three requeues, the reference's weights."""
+    run_dir = tmp_path / "killed"
+    bound = 10.0
+    # hpcrl/launch/faults.py: RESTART:RANK:METHOD:N; the environment reaches every rank through sbatch
+    env = {**os.environ, "HPCRL_FAULT": "0:2:update_actor:6,1:3:generate_shard:5",
+           "HPCRL_HEARTBEAT_TIMEOUT": str(bound)}
+    job = submit(run_dir, "normal", "slurm.max_failure_requeues=3", env=env)
+
+    def in_second_restart() -> bool:  # resumed from step 8 after the rollout kill
+        poke_if_pending(job, "normal")
+        log = run_dir / "logs" / "controller.log"
+        return log.exists() and log.read_text().count("continuing at step 9 of 10") == 1
+
+    try:
+        wait_for(in_second_restart, 900, "the second restart", job)
+        ranks = job_ranks(run_dir)
+        assert sorted(ranks) == [0, 1, 2, 3, 4], ranks
+        os.kill(ranks[0], 9)
+        t_kill = time.monotonic()
+        wait_for(lambda: not any(alive(p) for p in ranks.values()), 60, "the killed controller's workers to exit",
+                 job)
+        workers_gone_s = time.monotonic() - t_kill
+        wait_for(lambda: finished(job, "normal"), 900, "the job to finish", job)
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)
+    check_completed_after_restart(job)
+    assert job_status(job)["restarts"] == 3
+    assert workers_gone_s < bound + 10, f"workers took {workers_gone_s:.1f} s to exit after the controller died"
+    text = controller_log(run_dir)
+    info = json.loads((run_dir / "slurm" / "job.json").read_text())
+    err = Path(info["stderr"]).read_text(errors="replace")
+    assert [f["restart"] for f in info["failures"]] == [0, 1, 2] and info["failure_requeues"] == 3, info
+    # each worker death is named by the controller with its host and pid, and ends the job within the bound
+    for rank, failure in zip((2, 3), info["failures"], strict=False):
+        killed = re.search(rf"\[hpcrl fault\] rank {rank} pid (\d+): SIGKILL at .*unix time ([\d.]+)", err)
+        assert killed, err[-3000:]
+        assert re.search(rf"rank {rank} \(host \S+, slurm node n\d, pid {killed.group(1)}\)[^\n]* lost", err), err
+        assert failure["at"] - float(killed.group(2)) < bound + 15, (failure, killed.group(0))
+    assert err.count("requeued (failure requeue") == 3, err[-3000:]
+    assert [int(m) for m in re.findall(r"resumed from \S+step_(\d+)", text)] == [4, 8, 8], text[-3000:]
+    check_same_as_reference(run_dir, grpo_reference)
+
+
+def test_world_killed_in_a_save_resumes_at_the_epoch_boundary_like_an_uninterrupted_run(tmp_path: Path) -> None:
+    """16 prompts, 8 per step: an epoch is 2 steps; saves every 2 steps, 5 steps in all. kill -9 of the
+    whole MPI world (controller and workers) in the save of step 4: the half-written step 4 is never
+    taken for a checkpoint, the rerun resumes from step 2, exactly at the epoch boundary, and ends with
+    the weights, optimizer state and step metrics of a run that never stopped."""
+    data = tmp_path / "train16.parquet"
+    pq.write_table(pq.read_table(ARITH / "train.parquet").slice(0, 16), data)
+    common = [f"data.train_files=[{data}]", "checkpoint.save_every=2", "trainer.total_steps=5"]
+    whole = hpcrl_run(tmp_path / "whole", *common)
+    assert [m["data/epoch"] for m in whole] == [0, 0, 1, 1, 2]
+    run_dir = tmp_path / "run"
+    args = [HPCRL, "run", "configs/grpo_tiny.yaml", f"trainer.run_dir={run_dir}", *TRAIN_OVERRIDES, *common]
+    err = tmp_path / "first.err"
+    # rank 2 dies as its second save (step 4) begins, while the other ranks write theirs; then the test
+    # SIGKILLs every other process of the world (hpcrl/launch/faults.py)
+    with open(err, "w") as f:
+        proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=f,
+                                env={**os.environ, "HPCRL_FAULT": "0:2:save_checkpoint:2"})
+    try:
+        deadline = time.time() + 600
+        while "[hpcrl fault]" not in err.read_text(errors="replace"):
+            assert proc.poll() is None and time.time() < deadline, err.read_text(errors="replace")[-3000:]
+            time.sleep(0.05)
+        world = [pid for pid, argv in processes().items()
+                 if b"hpcrl_entry.py" in argv and f"trainer.run_dir={run_dir}".encode() in argv]
+        for pid in world:
+            os.kill(pid, 9)
+        assert len(world) >= 4, world  # the controller and 3 workers still alive at the kill
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    ckpts = run_dir / "checkpoints"
+    half = [p.name for p in ckpts.iterdir() if "step_00000004" in p.name]
+    assert half and not (ckpts / "step_00000004").exists(), sorted(p.name for p in ckpts.iterdir())
+    steps = hpcrl_run(run_dir, *common)
     log = controller_log(run_dir)
-    assert "resumed from" in log and "continuing at step 4 of 5" in log
+    assert f"resumed from {ckpts}/step_00000002" in log and "continuing at step 3 of 5" in log
+    assert [m["step"] for m in steps] == [1, 2, 3, 4, 5]
+    assert same_records(whole, steps) == []
+    ref, got = shard_digests(tmp_path / "whole", 5), shard_digests(run_dir, 5)
+    assert any(p.endswith(".safetensors") for p in ref) and ref == got
+    assert not [p.name for p in ckpts.iterdir() if p.name.startswith(".tmp-step_00000004")]  # debris removed
+
+
+def processes() -> dict[int, bytes]:
+    out = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                out[int(d.name)] = (d / "cmdline").read_bytes()
+            except OSError:
+                pass
+    return out

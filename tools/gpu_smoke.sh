@@ -52,7 +52,9 @@ log "set-up took $((SECONDS - start)) s"
 "$VENV/bin/python" tools/make_arith_data.py --out data/arith
 log "running the Megatron checks on $ngpu GPU worker(s)"
 rc=0
-HPCRL_TEST_WORKERS=$ngpu "$VENV/bin/python" -m pytest -v -rA tests/test_megatron_engine.py "$@" || rc=$?
+layouts=$(for l in 1x1 2x1 1x2 2x2; do (( ngpu % (${l%x*} * ${l#*x}) == 0 )) && printf '%s ' "$l"; done)
+log "layouts that $ngpu GPU(s) can hold: $layouts"
+HPCRL_TEST_WORKERS=$ngpu HPCRL_TEST_LAYOUTS=$layouts "$VENV/bin/python" -m pytest -v -rA tests/test_megatron_engine.py "$@" || rc=$?
 log "Megatron checks: exit $rc after $((SECONDS - start)) s"
 if [[ ${SKIP_VLLM:-0} != 1 ]] && ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
   log "installing vllm (CUDA) for the rollout part"

@@ -5,6 +5,6 @@
 (offline: a checkpoint's role as a HF folder). See docs/checkpoint.md.
 """
 
-from hpcrl.checkpoint.store import CheckpointError, CheckpointInfo, CheckpointStore
+from hpcrl.checkpoint.store import CheckpointError, CheckpointInfo, CheckpointStore, DiskFullError
 
-__all__ = ["CheckpointError", "CheckpointInfo", "CheckpointStore"]
+__all__ = ["CheckpointError", "CheckpointInfo", "CheckpointStore", "DiskFullError"]

@@ -8,12 +8,19 @@ imports torch: the controller side and the CLI stay cheap to start.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 from pathlib import Path
 from typing import Any, TypedDict
 
 CHUNK = 8 << 20
+# errno values of "the storage takes no more bytes": out of space, over quota, a file over the limit
+NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+# how writers that do not raise OSError say the same: safetensors (Rust) raises SafetensorError
+# "... I/O error: No space left on device (os error 28)"
+_NO_SPACE_TEXT = ("no space left on device", "disk quota exceeded", "file too large",
+                  *(f"(os error {n})" for n in sorted(NO_SPACE_ERRNOS)))
 
 
 class FileRecord(TypedDict):
@@ -71,9 +78,43 @@ def replace_atomic(path: str | Path, data: bytes | str) -> None:
     a crash: write a temporary sibling, fsync it, os.replace it over the target, fsync the folder."""
     p = Path(path)
     tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
-    write_durable(tmp, data)
-    os.replace(tmp, p)
+    try:
+        write_durable(tmp, data)
+        os.replace(tmp, p)
+    except BaseException:
+        # a write that failed (disk full) must not leave its half-written sibling taking space
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(p.parent)
+
+
+def free_bytes(path: str | Path) -> int:
+    """Bytes an unprivileged writer can still put on the file system of `path` (its nearest
+    existing folder): statvfs f_bavail, which leaves out the blocks reserved for root."""
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    st = os.statvfs(p)
+    return st.f_bavail * st.f_frsize
+
+
+def is_no_space(exc: BaseException | None) -> bool:
+    """True if `exc`, or an exception it was raised from, says the storage is full (ENOSPC,
+    EDQUOT, EFBIG as an OSError, or in the words of a writer that wraps its I/O errors)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in NO_SPACE_ERRNOS:
+            return True
+        if any(t in str(exc).lower() for t in _NO_SPACE_TEXT):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def format_bytes(n: int) -> str:
+    """'12.3 MB (12345678 bytes)': readable, and exact for whoever compares with df -B1."""
+    return f"{n / 1e6:.1f} MB ({n} bytes)"
 
 
 def records_by_path(records: Any) -> dict[str, FileRecord]:

@@ -22,6 +22,7 @@ travel the same way. Only one unit is held at full size at a time.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import pickle
@@ -36,8 +37,8 @@ from typing import Any
 
 import torch
 
-from hpcrl.checkpoint.files import FileRecord, file_record, fsync_dir, fsync_file, write_durable
-from hpcrl.checkpoint.store import CheckpointError
+from hpcrl.checkpoint.files import FileRecord, file_record, fsync_dir, fsync_file, is_no_space, write_durable
+from hpcrl.checkpoint.store import CheckpointError, DiskFullError, no_space_error
 from hpcrl.engines.megatron.convert import hf_to_megatron, layer_range, megatron_to_hf_partial
 from hpcrl.engines.megatron.model import ModelArch
 
@@ -51,6 +52,10 @@ _HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 # Checkpoint folders whose RNG file this process already wrote: colocated roles (actor, critic,
 # reference) share one process and so one RNG state; the first role saved writes it.
 _rng_written: set[str] = set()
+# Size estimates (checkpoint_nbytes): a file takes whole blocks (4 KiB on ext4, xfs, tmpfs), and
+# a safetensors header holds per tensor its name, dtype, shape and offsets as JSON.
+FILE_SLACK = 4096
+HEADER_PER_TENSOR = 128
 
 
 def shard_stem(pp_rank: int, tp_rank: int) -> str:
@@ -144,22 +149,58 @@ def engine_state(engine: Any, role: str, model_path: str, copy: bool) -> ShardSt
     return ShardState(tensors, meta)
 
 
+def _tensor_bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def shard_nbytes(state: ShardState) -> int:
+    """~Bytes one shard's two files take on disk (tensor data, header, metadata, block slack)."""
+    return (_tensor_bytes(state.tensors.values()) + sum(len(k) + HEADER_PER_TENSOR for k in state.tensors)
+            + len(json.dumps(state.meta, indent=1, sort_keys=True)) + 2 * FILE_SLACK)
+
+
+def engine_nbytes(engine: Any) -> int:
+    """~Bytes this rank's shard of `engine` will take (what engine_state + write_shard write), from
+    the live tensors' sizes: nothing is copied, so it is cheap enough to ask before every save."""
+    named = list(engine.model.named_parameters())
+    tensors = [p for _, p in named] + (list(engine.master) if engine.master is not None else [])
+    if engine.optimizer is not None:
+        tensors += [v for st in engine.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+    names = sum(len(n) for n, _ in named)
+    # every tensor's header entry, and the metadata JSON (names and shapes of every parameter)
+    return _tensor_bytes(tensors) + len(tensors) * (HEADER_PER_TENSOR + 32) + 2 * names + 16384 + 2 * FILE_SLACK
+
+
 def write_shard(state: ShardState, ckpt_dir: str | Path, role: str) -> list[FileRecord]:
-    """Write and fsync one shard's two files; their records (size, sha256) for the manifest."""
+    """Write and fsync one shard's two files; their records (size, sha256) for the manifest.
+
+    Out of space (or quota): both files are removed and DiskFullError names the file and bytes
+    (safetensors reports it as its own error type, not as an OSError)."""
     from safetensors.torch import save_file
 
     root = Path(ckpt_dir)
     d = root / role
-    d.mkdir(parents=True, exist_ok=True)
     lay = state.meta["layout"]
     stem = shard_stem(lay["pp_rank"], lay["tp_rank"])
     st, js = d / f"{stem}.safetensors", d / f"{stem}.json"
-    # one metadata key only: safetensors keeps them in a hash map, so several would be written in
-    # a random order and two saves of the same state would differ in bytes
-    save_file(state.tensors, str(st), metadata={"format": "pt"})
-    fsync_file(st)
-    write_durable(js, json.dumps(state.meta, indent=1, sort_keys=True))
-    fsync_dir(d)
+    meta = json.dumps(state.meta, indent=1, sort_keys=True)
+    writing = st
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        # one metadata key only: safetensors keeps them in a hash map, so several would be written
+        # in a random order and two saves of the same state would differ in bytes
+        save_file(state.tensors, str(st), metadata={"format": "pt"})
+        fsync_file(st)
+        writing = js
+        write_durable(js, meta)
+        fsync_dir(d)
+    except Exception as e:
+        if not is_no_space(e):
+            raise
+        for f in (st, js):  # a partial shard is worthless and holds space the others need
+            f.unlink(missing_ok=True)
+        raise no_space_error(writing, f"{role} shard of TP rank {lay['tp_rank']}, stage {lay['pp_rank']}",
+                             shard_nbytes(state)) from e
     return [file_record(st, root), file_record(js, root)]
 
 
@@ -233,14 +274,30 @@ def reseed_rng(seed: int, step: int, rank: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed((seed + step) % (2**31))
 
 
+def rng_blob(rank: int, world_size: int, state: dict[str, Any]) -> bytes:
+    """The bytes of a rank's RNG file (a few KB)."""
+    buf = io.BytesIO()
+    torch.save({"world_size": world_size, "rank": rank, "state": state}, buf)
+    return buf.getvalue()
+
+
 def write_rng(ckpt_dir: str | Path, rank: int, world_size: int, state: dict[str, Any]) -> list[FileRecord]:
+    """Write and fsync rng/rank{R}.pt. Serialized in memory first: torch.save into a file that
+    runs out of space fails with "unexpected pos 576 vs 534", which names neither cause nor file;
+    a plain write raises ENOSPC, which becomes a DiskFullError naming both."""
     root = Path(ckpt_dir)
     d = root / "rng"
-    d.mkdir(parents=True, exist_ok=True)
     path = d / f"rank{rank}.pt"
-    torch.save({"world_size": world_size, "rank": rank, "state": state}, path)
-    fsync_file(path)
-    fsync_dir(d)
+    blob = rng_blob(rank, world_size, state)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        write_durable(path, blob)
+        fsync_dir(d)
+    except OSError as e:
+        if not is_no_space(e):
+            raise
+        path.unlink(missing_ok=True)
+        raise no_space_error(path, f"RNG states of torch.distributed rank {rank}", len(blob)) from e
     return [file_record(path, root)]
 
 
@@ -498,6 +555,12 @@ class RoleCheckpointer:
             return dist.get_rank(), dist.get_world_size()
         return 0, 1
 
+    def nbytes(self) -> int:
+        """~Bytes this rank's next save will write: its shard (DP replica 0) and its RNG file."""
+        rank, world = self._rank()
+        shard = engine_nbytes(self.engine) if self.engine.dp_rank == 0 else 0
+        return shard + len(rng_blob(rank, world, capture_rng())) + FILE_SLACK
+
     def save(self, ckpt_dir: str, async_save: bool = False) -> list[FileRecord]:
         """Write this rank's files (shard on DP replica 0, RNG on every rank); their records, or []
         for an async save (collect them with `wait`)."""
@@ -541,6 +604,8 @@ class RoleCheckpointer:
         self._thread = None
         if self._error is not None:
             err, self._error = self._error, None
+            if isinstance(err, DiskFullError):  # keep the type: the controller tells it from a bug
+                raise DiskFullError(f"async checkpoint write of {self.role}: {err}") from err
             raise RuntimeError(f"async checkpoint write of {self.role} failed: {err!r}") from err
         records, self._records = self._records, []
         return records

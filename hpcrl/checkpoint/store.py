@@ -17,6 +17,11 @@ is the folder renamed to its step name (a rename within one file system is atomi
 fsync'ed) and `latest` replaced (temp file + os.replace). A kill -9 at any point leaves either the
 previous state or the new, complete checkpoint; `latest_valid` additionally refuses any folder
 whose manifest is missing or does not match the files (disk corruption, a hand-made folder).
+
+A full disk (or quota) is the same case seen from the other side: `check_space` refuses a save
+that cannot fit before anything is written; a write that still runs out of space (someone else
+filled the disk meanwhile) raises `DiskFullError` naming the file and the bytes, and the partial
+save is removed (`abandon`), so its space comes back and `latest` keeps naming the previous one.
 """
 
 from __future__ import annotations
@@ -34,7 +39,10 @@ from typing import Any
 
 from hpcrl.checkpoint.files import (
     file_record,
+    format_bytes,
+    free_bytes,
     fsync_dir,
+    is_no_space,
     records_by_path,
     replace_atomic,
     sha256_file,
@@ -55,6 +63,17 @@ TRASH_PREFIX = ".trash-"
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be committed (its files do not match what the writers reported)."""
+
+
+class DiskFullError(CheckpointError):
+    """A checkpoint did not fit: its file system is out of space or quota. The message names the
+    path, the bytes the save needs and the bytes free."""
+
+
+def no_space_error(path: str | Path, what: str, nbytes: int) -> DiskFullError:
+    """The error of a writer (worker or controller) whose write of `path` ran out of space."""
+    return DiskFullError(f"no space left writing {path} ({what}, ~{format_bytes(nbytes)}): "
+                         f"{format_bytes(free_bytes(Path(path).parent))} free on its file system")
 
 
 def step_name(step: int) -> str:
@@ -88,6 +107,38 @@ class CheckpointStore:
         self.keep_every = keep_every
 
     # saving ------------------------------------------------------------------------------------
+    def free_bytes(self) -> int:
+        """Bytes still free for a save on the file system of `root`."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        return free_bytes(self.root)
+
+    def check_space(self, step: int, needed: int) -> None:
+        """Refuse, before anything is written, a save of `needed` bytes that cannot fit: a save
+        that runs out of space half-way costs the time to write it and leaves debris to clean.
+        `needed` is everything every writer will put into the folder (all ranks together: they
+        share this file system); the previous checkpoints stay until the new one is committed."""
+        free = self.free_bytes()
+        if needed > free:
+            sizes = [i.size for i in self.list()]
+            kept = (f"; the {len(sizes)} checkpoint(s) kept there take {format_bytes(sum(sizes))} "
+                    "(checkpoint.keep_last)") if sizes else ""
+            raise DiskFullError(f"checkpoint of step {step} needs ~{format_bytes(needed)} in {self.root}, only "
+                                f"{format_bytes(free)} free{kept}: nothing was written, {self._intact()}. Free "
+                                "space there, keep fewer checkpoints or move checkpoint.dir")
+
+    def abandon(self, tmp: str | Path) -> None:
+        """Remove the temporary folder of a save that failed (its space comes back now, not at the
+        next commit). Only a `.tmp-*` folder of this store is ever removed."""
+        tmp = Path(tmp)
+        if tmp.parent.resolve() == self.root.resolve() and TMP_RE.match(tmp.name):
+            shutil.rmtree(tmp, ignore_errors=True)
+            log.warning("removed %s: the partial files of a save that failed", tmp.name)
+
+    def _intact(self) -> str:
+        latest = self.read_latest()
+        return (f"the previous checkpoint {self.root / latest} is intact and is the one a resume uses"
+                if latest else "there is no previous checkpoint")
+
     def begin(self, step: int) -> Path:
         """A fresh temporary folder for the save of `step`; give it to the workers' save_checkpoint."""
         self.root.mkdir(parents=True, exist_ok=True)
@@ -109,36 +160,62 @@ class CheckpointStore:
             raise CheckpointError(f"{tmp} is not a temporary folder of step {step} under {self.root} (use begin())")
         t0 = time.monotonic()
         files = records_by_path(records)
-        for name, data in ((CONTROLLER_STATE, json.dumps(controller_state, indent=1, sort_keys=True)),
-                           (CONFIG, config_yaml)):
-            write_durable(tmp / name, data)
-            files[name] = file_record(tmp / name, tmp)
-        on_disk = {p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file()}
-        unrecorded, missing = on_disk - files.keys(), files.keys() - on_disk
-        if unrecorded or missing:
-            raise CheckpointError(f"{tmp}: files without a record {sorted(unrecorded)[:5]}, records without a file "
-                                  f"{sorted(missing)[:5]}")
-        for d in sorted({(tmp / p).parent for p in files}, key=lambda x: len(x.parts), reverse=True):
-            fsync_dir(d)
-        manifest = {"format": FORMAT, "step": step, "created": time.time(),
-                    "total_bytes": sum(r["size"] for r in files.values()),
-                    "files": {p: {"size": r["size"], "sha256": r["sha256"]} for p, r in sorted(files.items())}}
-        write_durable(tmp / MANIFEST, json.dumps(manifest, indent=1))
-        fsync_dir(tmp)
-        problems = self.verify(tmp, checksums=verify_checksums)
-        if problems:
-            raise CheckpointError(f"{tmp}: the save does not match its manifest: " + "; ".join(problems[:5]))
+        writing = tmp  # the file being written when the storage runs out of space
         final = self.root / step_name(step)
-        if final.exists():  # the same step saved again (a run resumed from an older checkpoint)
+        try:
+            for name, data in ((CONTROLLER_STATE, json.dumps(controller_state, indent=1, sort_keys=True)),
+                               (CONFIG, config_yaml)):
+                writing = tmp / name
+                write_durable(writing, data)
+                files[name] = file_record(writing, tmp)
+            on_disk = {p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file()}
+            unrecorded, missing = on_disk - files.keys(), files.keys() - on_disk
+            if unrecorded or missing:
+                raise CheckpointError(f"{tmp}: files without a record {sorted(unrecorded)[:5]}, records without a "
+                                      f"file {sorted(missing)[:5]}")
+            for d in sorted({(tmp / p).parent for p in files}, key=lambda x: len(x.parts), reverse=True):
+                fsync_dir(d)
+            manifest = {"format": FORMAT, "step": step, "created": time.time(),
+                        "total_bytes": sum(r["size"] for r in files.values()),
+                        "files": {p: {"size": r["size"], "sha256": r["sha256"]} for p, r in sorted(files.items())}}
+            writing = tmp / MANIFEST
+            write_durable(writing, json.dumps(manifest, indent=1))
+            fsync_dir(tmp)
+            problems = self.verify(tmp, checksums=verify_checksums)
+            if problems:
+                raise CheckpointError(f"{tmp}: the save does not match its manifest: " + "; ".join(problems[:5]))
+            if final.exists():  # the same step saved again (a run resumed from an older checkpoint)
+                self._trash(final)
+            writing = final
+            os.rename(tmp, final)
+        except OSError as e:
+            if not is_no_space(e):
+                raise
+            self.abandon(tmp)
+            raise self._full_at_commit(step, writing, files, e) from e
+        try:
+            fsync_dir(self.root)
+            replace_atomic(self.root / LATEST, final.name + "\n")
+        except OSError as e:
+            if not is_no_space(e):
+                raise
+            # the new folder is complete, but `latest` still names the previous checkpoint: take
+            # the new one away as well, so that the state is exactly the one before this save
+            # (which the error says is what a resume uses) and its space comes back
             self._trash(final)
-        os.rename(tmp, final)
-        fsync_dir(self.root)
-        replace_atomic(self.root / LATEST, final.name + "\n")
+            self._empty_trash()
+            raise self._full_at_commit(step, self.root / LATEST, files, e) from e
         removed = self.prune()
         self._clean_debris(step)
         log.info("checkpoint %s committed: %d files, %.1f MB, %.2f s; pruned %s", final.name, len(files),
                  manifest["total_bytes"] / 1e6, time.monotonic() - t0, [p.name for p in removed] or "nothing")
         return final
+
+    def _full_at_commit(self, step: int, writing: Path, files: dict[str, Any], exc: OSError) -> DiskFullError:
+        needed = sum(r["size"] for r in files.values())
+        return DiskFullError(f"checkpoint of step {step} does not fit in {self.root}: {exc.strerror or exc} writing "
+                             f"{writing}; the save needs ~{format_bytes(needed)}, {format_bytes(self.free_bytes())} "
+                             f"are free with its partial files removed; {self._intact()}")
 
     def prune(self) -> list[Path]:
         """Delete committed checkpoints beyond the last keep_last, except every keep_every-th step

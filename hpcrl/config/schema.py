@@ -224,6 +224,11 @@ class CheckpointConfig:
     keep_every: int = 0  # also keep every M-th step forever; 0 = none
     async_save: bool = False
     resume: str = "auto"  # auto | never | a checkpoint folder
+    # A save the storage refuses (disk full, quota; see docs/reliability.md) is removed and the
+    # previous checkpoint stays the one a resume uses. stop: the run ends, exit status 4.
+    # continue: a warning, and training goes on until the next save (the final save, and the one
+    # before a preemption stop, still end the run with status 4: the run's state is not on disk).
+    on_save_error: str = "stop"  # stop | continue
 
 
 @dataclass
@@ -237,6 +242,9 @@ class SlurmConfig:
     mem_per_node: str | None = None
     constraint: str | None = None
     requeue: bool = True
+    # Requeues of a job whose run failed (a rank killed, OOM, a crash) before it is left failed; each
+    # restart resumes from the last checkpoint. 0: a failed run stays failed. Needs `requeue`.
+    max_failure_requeues: int = 2
     # Seconds before the time limit at which Slurm sends USR1 (the save-and-requeue signal).
     signal_before_s: int = 300
     # Extra `#SBATCH` options, e.g. ["--exclusive", "--reservation=rl"].

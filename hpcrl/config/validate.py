@@ -34,6 +34,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "trainer.device": ("auto", "cpu", "cuda"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
     "slurm.mpi": ("pmi2", "pmix"),
+    "checkpoint.on_save_error": ("stop", "continue"),
 }
 
 # key -> (lowest allowed, highest allowed, inclusive low); None = unbounded
@@ -95,6 +96,7 @@ RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     "slurm.gpus_per_node": (0, None, True),
     "slurm.cpus_per_worker": (1, None, True),
     "slurm.signal_before_s": (0, None, True),
+    "slurm.max_failure_requeues": (0, None, True),
 }
 
 _SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$|^\d+-\d+$")

@@ -29,7 +29,15 @@ from typing import Any
 
 from hpcrl.controller.batch import Batch
 from hpcrl.controller.dispatch import Collect, Dispatch, ParallelLayout, register
-from hpcrl.controller.errors import CallTimeout, HpcrlRuntimeError, RemoteError, RemoteFailure, WorkerLostError
+from hpcrl.controller.errors import (
+    CallTimeout,
+    HpcrlRuntimeError,
+    RankFailure,
+    RemoteError,
+    RemoteFailure,
+    WorkerDiedError,
+    WorkerLostError,
+)
 from hpcrl.controller.worker import Placement, Worker
 
 # These import mpi4py.MPI, which initialises MPI; loaded on first use so that a plain
@@ -59,9 +67,11 @@ __all__ = [
     "HpcrlRuntimeError",
     "ParallelLayout",
     "Placement",
+    "RankFailure",
     "RemoteError",
     "RemoteFailure",
     "Worker",
+    "WorkerDiedError",
     "WorkerLostError",
     "register",
     *_LAZY,

@@ -42,11 +42,18 @@ class RuntimeOptions:
 
     heartbeat_timeout_s bounds how long a dead rank can go unnoticed (default 30 s: well
     under a minute, yet far above any scheduling hiccup on a loaded node).
+    failure_grace_s: after the first failure of a call, how long the controller keeps collecting
+    the other ranks' failures before it raises, so that it names the rank that failed first and
+    not merely the first reply (see `ControllerRuntime.failure_error`).
+    stderr_file: where this rank's stderr is also kept (set by launchers/hpcrl_entry.py, see
+    `hpcrl.controller.stderr_log`); "" when it is not.
     """
 
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 30.0
     abort_grace_s: float = 5.0  # after a loss, how long user code may handle it before the job is aborted
+    failure_grace_s: float = 1.0
+    stderr_file: str = ""
     torch_dist: bool = True  # build torch.distributed among the workers at start
     torch_backend: str | None = None  # None: nccl with CUDA, else gloo
     torch_dist_timeout_s: float = 300.0
@@ -57,6 +64,7 @@ class RuntimeOptions:
             heartbeat_interval_s=_env_float("HPCRL_HEARTBEAT_INTERVAL", 1.0),
             heartbeat_timeout_s=_env_float("HPCRL_HEARTBEAT_TIMEOUT", 30.0),
             abort_grace_s=_env_float("HPCRL_ABORT_GRACE", 5.0),
+            failure_grace_s=_env_float("HPCRL_FAILURE_GRACE", 1.0),
             torch_dist=os.environ.get("HPCRL_TORCH_DIST", "1") != "0",
             torch_backend=os.environ.get("HPCRL_TORCH_BACKEND") or None,
             torch_dist_timeout_s=_env_float("HPCRL_TORCH_DIST_TIMEOUT", 300.0),
@@ -163,8 +171,10 @@ def run(main: Callable[[], Any], options: RuntimeOptions | None = None) -> Any:
     tighten_timer_slack()
     _install_hooks(world)
     _survive_failure_notices()
+    # the controller quotes a dead rank's stderr file, so it must know every rank's path
+    stderr_files = world.comm.allgather(opts.stderr_file)
     if world.is_controller:
-        return _run_controller(world, main, opts)
+        return _run_controller(world, main, opts, stderr_files)
     _run_worker(world, opts)
     return None
 
@@ -184,8 +194,9 @@ def _run_worker(world: World, opts: RuntimeOptions) -> None:
     _finish(world, liveness, opts.heartbeat_timeout_s)
 
 
-def _run_controller(world: World, main: Callable[[], Any], opts: RuntimeOptions) -> Any:
-    rt = ControllerRuntime(world, opts.heartbeat_interval_s, opts.heartbeat_timeout_s, opts.abort_grace_s)
+def _run_controller(world: World, main: Callable[[], Any], opts: RuntimeOptions, stderr_files: list[str]) -> Any:
+    rt = ControllerRuntime(world, opts.heartbeat_interval_s, opts.heartbeat_timeout_s, opts.abort_grace_s,
+                           opts.failure_grace_s, stderr_files)
     rt.liveness.start()
     set_runtime(rt)
     try:

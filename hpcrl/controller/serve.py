@@ -35,6 +35,7 @@ from hpcrl.controller.transport import (
     wait_all,
 )
 from hpcrl.controller.worker import Placement, creating
+from hpcrl.launch.faults import FaultInjector
 from hpcrl.launch.world import CONTROLLER_RANK, World, abort
 
 
@@ -55,6 +56,7 @@ class WorkerServer:
         self.liveness = liveness
         self.objects: dict[str, Any] = {}
         self._sending: list[tuple[list[MPI.Request], Encoded]] = []  # replies in flight, payload kept alive
+        self.faults = FaultInjector(world.rank)  # HPCRL_FAULT, for the fault tests (hpcrl/launch/faults.py)
 
     def _reap_sends(self) -> None:
         self._sending = [s for s in self._sending if not MPI.Request.Testall(s[0])]
@@ -73,6 +75,7 @@ class WorkerServer:
             exc_type=type(exc).__name__,
             exc_message=str(exc),
             traceback="".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+            at=time.time(),
         )
 
     def _execute(self, header: dict, args: tuple, kwargs: dict) -> Any:
@@ -93,6 +96,7 @@ class WorkerServer:
                 self.objects[header["obj"]] = cls(*args, **kwargs)
             return None
         if kind == "call":
+            self.faults.maybe_kill_self(header["m"])
             return getattr(self.objects[header["obj"]], header["m"])(*args, **kwargs)
         raise ValueError(f"unknown message kind {kind!r}")
 

@@ -15,6 +15,11 @@ Why forward: `#SBATCH --signal=B:USR1@N` (the "save and requeue now" warning) is
 shell only, and a batch process that does not handle USR1 dies of it. The controller (rank 0) saves at the
 next step boundary, runs `scontrol requeue` and exits 0; workers ignore both signals. The wait for srun
 restarts after every handled signal (PEP 475), so the launcher stays until srun is done.
+
+5. when srun fails (a rank killed, OOM, a crash) and nobody signalled the job, requeues it, at most
+   `slurm.max_failure_requeues` times per job (counted in job.json): the restarted job resumes from the
+   last checkpoint. Not when the trainer stopped on purpose (the NaN/Inf stop: it records a verdict,
+   `write_verdict`), nor after USR1/TERM (scancel, preemption and the time limit have their own paths).
 Every command line here is an argv list: no shell ever sees a run name or a path.
 """
 
@@ -36,6 +41,10 @@ from hpcrl.launch.commands import entry_argv, srun_het_command
 
 TRAINER_TARGET = "hpcrl.trainer.main:main"
 FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+# Written by the trainer when it stops on purpose with a non-zero status (e.g. 3 after
+# trainer.max_nonfinite_steps NaN/Inf steps): srun's exit status alone cannot tell that from a crash
+# (the runtime's aborts use small codes too), and a restart would only repeat it.
+VERDICT_FILE = os.path.join("slurm", "verdict.json")
 
 
 class AllocationError(RuntimeError):
@@ -166,11 +175,38 @@ def record_job(run_dir: str, env: Mapping[str, str], argv: Sequence[str]) -> Non
         print(f"[hpcrl slurm] warning: cannot write {folder}/job.json: {e}", file=sys.stderr, flush=True)
 
 
-def run_srun(argv: Sequence[str], env: Mapping[str, str]) -> int:
-    """Run srun as a child, forward USR1/TERM to it, wait until it exits; its exit status (128+N if killed)."""
+def write_verdict(run_dir: str, status: int) -> None:
+    """Record that this run (this job, this restart) stopped on purpose with `status`; Slurm only."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return
+    os.makedirs(os.path.join(run_dir, "slurm"), exist_ok=True)
+    write_json_atomic(os.path.join(run_dir, VERDICT_FILE),
+                      {"job_id": job, "restart": os.environ.get("SLURM_RESTART_COUNT", "0"), "status": status,
+                       "at": time.time()})
+
+
+def _verdict(run_dir: str, env: Mapping[str, str]) -> int | None:
+    """The status the trainer recorded in this job and restart, if it stopped on purpose."""
+    try:
+        with open(os.path.join(run_dir, VERDICT_FILE), encoding="utf-8") as f:
+            v = json.load(f)
+    except (OSError, ValueError):
+        return None
+    same = (str(v.get("job_id")) == env.get("SLURM_JOB_ID")
+            and str(v.get("restart")) == env.get("SLURM_RESTART_COUNT", "0"))
+    return int(v["status"]) if same else None
+
+
+def run_srun(argv: Sequence[str], env: Mapping[str, str], received: list[int] | None = None) -> int:
+    """Run srun as a child, forward USR1/TERM to it, wait until it exits; its exit status (128+N if killed).
+
+    The signals forwarded are appended to `received`."""
     proc = subprocess.Popen(list(argv), env=dict(env))
 
     def forward(signum: int, frame: FrameType | None) -> None:
+        if received is not None:
+            received.append(signum)
         if proc.poll() is None:
             try:
                 os.kill(proc.pid, signum)
@@ -199,6 +235,7 @@ def launch(target: str, program_args: Sequence[str], *, config_args: bool = True
     het_worker_shape(base_env)  # fail early and clearly outside a hetjob
     args = list(program_args)
     run_env = dict(base_env)
+    cfg: Any = None
     if config_args:
         if not args:
             raise AllocationError("no CONFIG given: usage: slurm_entry.py [--target T] CONFIG [KEY=VALUE ...]")
@@ -214,9 +251,64 @@ def launch(target: str, program_args: Sequence[str], *, config_args: bool = True
     cmd = srun_het_command(entry_argv(target, args, python=python), extra=srun_extra)
     print(f"[hpcrl slurm] job {base_env.get('SLURM_JOB_ID', '?')} restart {base_env.get('SLURM_RESTART_COUNT', '0')}"
           f": {shlex.join(cmd)}", file=sys.stderr, flush=True)
-    rc = run_srun(cmd, run_env)
+    received: list[int] = []
+    rc = run_srun(cmd, run_env, received)
     print(f"[hpcrl slurm] srun exited with status {rc}", file=sys.stderr, flush=True)
+    if rc != 0 and config_args and requeue_after_failure(cfg, base_env, rc, received):
+        return 0
     return rc
+
+
+def requeue_after_failure(cfg: Any, env: Mapping[str, str], rc: int, received: Sequence[int]) -> bool:
+    """Requeue a job whose srun step failed (point 5 of the module docstring); True if it was requeued.
+
+    The count is written before `scontrol requeue`, so that a launcher killed in between can never
+    requeue without counting it.
+    """
+    def note(msg: str) -> None:
+        print(f"[hpcrl slurm] {msg}", file=sys.stderr, flush=True)
+
+    job = env.get("SLURM_JOB_ID", "")
+    limit = int(cfg.slurm.max_failure_requeues)
+    if not job or not cfg.slurm.requeue or limit <= 0:
+        return False
+    if received:
+        names = ", ".join(sorted({signal.Signals(s).name for s in received}))
+        note(f"not requeued after the failure: the job was sent {names} (cancelled, preempted or at its time limit)")
+        return False
+    run_dir = str(cfg.trainer.run_dir)
+    verdict = _verdict(run_dir, env)
+    if verdict is not None:
+        note(f"not requeued: the trainer stopped on purpose (status {verdict}, see its log); a restart would "
+             "only repeat it")
+        return False
+    path = os.path.join(run_dir, "slurm", "job.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            info = json.load(f)
+    except (OSError, ValueError):
+        info = {"job_id": job}
+    done = int(info.get("failure_requeues", 0)) if str(info.get("job_id")) == job else 0
+    if done >= limit:
+        note(f"not requeued: job {job} was already requeued {done} time(s) after a failure "
+             f"(slurm.max_failure_requeues={limit}); resubmit, or raise the limit, once the cause is fixed")
+        return False
+    failures = [*info.get("failures", []), {"restart": int(env.get("SLURM_RESTART_COUNT", "0") or 0),
+                                            "srun_status": rc, "at": time.time()}]
+    info.update({"job_id": job, "failure_requeues": done + 1, "failures": failures})
+    try:
+        write_json_atomic(path, info)
+    except OSError as e:
+        note(f"not requeued: cannot record the requeue in {path}: {e}")
+        return False
+    leader = env.get("SLURM_HET_JOB_ID") or job
+    r = subprocess.run(["scontrol", "requeue", leader], capture_output=True, text=True, timeout=60)
+    if r.returncode != 0:
+        note(f"scontrol requeue {leader} failed: {(r.stderr or r.stdout).strip()}")
+        return False
+    note(f"the run failed (srun status {rc}): job {leader} requeued (failure requeue {done + 1} of {limit}); "
+         "it restarts and resumes from the last checkpoint")
+    return True
 
 
 def submitit_entry(target: str, program_args: list[str], config_args: bool = True) -> int:

@@ -9,6 +9,7 @@ so the same command line starts a run, restarts it after a requeue, or continues
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -25,6 +26,28 @@ log = logging.getLogger("hpcrl.trainer")
 # Every rank imports this module before the runtime starts (see launchers/hpcrl_entry.py).
 ignore_on_workers()
 
+# Exit status of a run that stopped because a checkpoint could not be saved (disk full, quota):
+# distinct from 3 (NaN/Inf steps) and from a crash (1), see docs/reliability.md.
+SAVE_FAILED_EXIT = 4
+# Beyond the workers' files: the manifest's line per file, and whole blocks for the small files.
+MANIFEST_BYTES_PER_FILE = 256
+SMALL_FILE_SLACK = 3 * 4096
+
+
+def storage_error(exc: BaseException) -> Exception | None:
+    """The checkpoint error behind `exc` when a save failed for its storage: the store's
+    CheckpointError (DiskFullError included), or a worker's DiskFullError, which arrives as a
+    RemoteError. None for anything else (a bug, a lost worker): that ends the run as before."""
+    from hpcrl.checkpoint.store import CheckpointError, DiskFullError
+    from hpcrl.controller import RemoteError
+
+    if isinstance(exc, CheckpointError):
+        return exc
+    if isinstance(exc, RemoteError) and exc.failure.exc_type == DiskFullError.__name__:
+        f = exc.failure
+        return DiskFullError(f"{f.exc_message} (worker {f.where()}, {f.group}.{f.method})")
+    return None
+
 
 class Checkpointer:
     """Saves and restores everything a run needs: the roles' Megatron state (written by the
@@ -40,46 +63,114 @@ class Checkpointer:
         self.store = CheckpointStore(Path(c.dir), keep_last=c.keep_last, keep_every=c.keep_every)
         self.async_save = bool(c.async_save)
         self.pending: tuple[Path, int, dict[str, Any]] | None = None
+        # on_save_error=stop: train() ends the run when a save returns False
+        self.stop_on_error = c.get("on_save_error", "stop") == "stop"
+        self.failed_steps: list[int] = []
 
     def controller_state(self) -> dict[str, Any]:
         t = self.trainer
         return {"step": t.step, "sampler": t.sampler.state_dict(), "kl_ctrl": t.kl_ctrl.state_dict(),
                 "metrics_cursor": self.metrics.cursor(), "saved_at": time.time()}
 
-    def save(self, wait: bool = False) -> None:
+    def needed_bytes(self, state: dict[str, Any], config_yaml: str) -> int:
+        """~Bytes the save of the current state writes, all ranks together (they share the file
+        system of checkpoint.dir, so their sizes add up)."""
+        per_rank = [int(n) for group in self.trainer.trained_groups() for n in group.checkpoint_nbytes()]
+        files = 3 * len(per_rank) + 2
+        return (sum(per_rank) + len(json.dumps(state, indent=1, sort_keys=True)) + len(config_yaml)
+                + MANIFEST_BYTES_PER_FILE * files + SMALL_FILE_SLACK)
+
+    def save(self, wait: bool = False) -> bool:
         """Checkpoint the current step. With async_save the workers write in the background while
-        the next step runs; the commit happens at the next `finish_pending` (or now if `wait`)."""
+        the next step runs; the commit happens at the next `finish_pending` (or now if `wait`).
+
+        False: the storage refused the save (disk full, quota, a commit that did not verify); it
+        was logged with the path and the bytes, its partial files are gone and the previous
+        checkpoint is still the latest valid one. Other errors raise."""
         from hpcrl.config import to_yaml
 
-        self.finish_pending()
+        if not self.finish_pending() and self.stop_on_error:
+            return False
         step = self.trainer.step
-        tmp = self.store.begin(step)
         t = time.perf_counter()
         asynchronous = self.async_save and not wait
-        records: list[Any] = []
-        for group in self.trainer.trained_groups():
-            records += [r for rank in group.save_checkpoint(str(tmp), async_save=asynchronous) for r in rank or []]
         state = self.controller_state()
-        if asynchronous:
-            self.pending = (tmp, step, state)
-            log.info("checkpoint of step %d: state snapshotted in %.1f s, writing in the background", step,
-                     time.perf_counter() - t)
-            return
-        path = self.store.commit(tmp, step, records, state, to_yaml(self.cfg))
+        config_yaml = to_yaml(self.cfg)
+        tmp: Path | None = None
+        try:
+            # refused before anything is written: a save that fills the disk half-way costs the
+            # write and, on a shared file system, space other jobs need
+            self.store.check_space(step, self.needed_bytes(state, config_yaml))
+            tmp = self.store.begin(step)
+            records: list[Any] = []
+            for group in self.trainer.trained_groups():
+                records += [r for rank in group.save_checkpoint(str(tmp), async_save=asynchronous)
+                            for r in rank or []]
+            if asynchronous:
+                self.pending = (tmp, step, state)
+                log.info("checkpoint of step %d: state snapshotted in %.1f s, writing in the background", step,
+                         time.perf_counter() - t)
+                return True
+            path = self.store.commit(tmp, step, records, state, config_yaml)
+        except Exception as e:
+            err = storage_error(e)
+            if err is None:
+                raise
+            return self._failed(step, tmp, err)
         log.info("checkpoint of step %d saved to %s in %.1f s", step, path, time.perf_counter() - t)
+        return True
 
-    def finish_pending(self) -> None:
-        """Wait for a background save and commit it."""
+    def finish_pending(self) -> bool:
+        """Wait for a background save and commit it. False as for `save`: a writer's error
+        surfaces here, on the controller, not in the worker's thread."""
         from hpcrl.config import to_yaml
 
         if self.pending is None:
-            return
+            return True
         tmp, step, state = self.pending
         self.pending = None
         t = time.perf_counter()
-        records = [r for group in self.trainer.trained_groups() for rank in group.wait_checkpoint() for r in rank or []]
-        path = self.store.commit(tmp, step, records, state, to_yaml(self.cfg))
+        try:
+            records = [r for group in self.trainer.trained_groups() for rank in group.wait_checkpoint()
+                       for r in rank or []]
+            path = self.store.commit(tmp, step, records, state, to_yaml(self.cfg))
+        except Exception as e:
+            err = storage_error(e)
+            if err is None:
+                raise
+            return self._failed(step, tmp, err)
         log.info("checkpoint of step %d committed to %s (waited %.1f s)", step, path, time.perf_counter() - t)
+        return True
+
+    def _settle(self) -> None:
+        """Return once no worker writes into the folder of a failed save any more. A call fails as
+        soon as one rank fails, while the others may still be writing; calls run in order on
+        every rank, so once wait_checkpoint (which also joins an async writer) has returned on all
+        of them, nobody writes. No collective is involved: a rank that failed blocks no other."""
+        for group in self.trainer.trained_groups():
+            try:
+                group.wait_checkpoint()
+            except Exception as e:  # another writer of the same save failed too: it has stopped
+                if storage_error(e) is None:
+                    raise
+
+    def _failed(self, step: int, tmp: Path | None, err: Exception) -> bool:
+        from hpcrl.checkpoint.files import format_bytes
+
+        after = ""
+        if tmp is not None:  # it failed while writing (an up-front refusal wrote nothing)
+            self._settle()
+            self.store.abandon(tmp)  # the space comes back now; `latest` never named it
+            latest = self.store.latest_valid()
+            after = (f". Its partial files are removed, {format_bytes(self.store.free_bytes())} are free in "
+                     f"{self.store.root}; the last valid checkpoint is {latest or 'none'}")
+        self.failed_steps.append(step)
+        if self.stop_on_error:
+            log.error("checkpoint of step %d not saved: %s%s", step, err, after)
+        else:
+            log.warning("checkpoint of step %d not saved: %s%s. Training goes on (checkpoint.on_save_error="
+                        "continue)", step, err, after)
+        return False
 
     def resume(self) -> bool:
         """Restore the latest valid checkpoint (checkpoint.resume=auto) or a given folder."""
@@ -131,6 +222,15 @@ def train(cfg: DictConfig) -> int:
     save_every = int(cfg.checkpoint.save_every)
     last_step_s = 0.0
     stopped = None
+
+    def save_failed() -> int:
+        log.error("stopping after step %d of %d: the checkpoint of step %d could not be saved (the error is above); "
+                  "the last valid checkpoint in %s is intact and a rerun resumes from it. Exit status %d.",
+                  trainer.step, total, ckpt.failed_steps[-1], cfg.checkpoint.dir, SAVE_FAILED_EXIT)
+        trainer.close()
+        metrics.close()
+        return SAVE_FAILED_EXIT
+
     while trainer.step < total:
         stopped = watch.should_stop(last_step_s)
         if stopped:
@@ -139,7 +239,8 @@ def train(cfg: DictConfig) -> int:
         t = time.perf_counter()
         m = trainer.train_step(step)
         trainer.step = step
-        ckpt.finish_pending()
+        if not ckpt.finish_pending() and ckpt.stop_on_error:
+            return save_failed()
         metrics.write(step, m)
         if "val/reward_mean" in m:
             metrics.write_validation(step - 1, {k: v for k, v in m.items() if k.startswith("val/")})
@@ -157,11 +258,15 @@ def train(cfg: DictConfig) -> int:
         last_step_s = time.perf_counter() - t
         stopped = watch.should_stop(last_step_s)
         if stopped or (save_every and step % save_every == 0 and step < total):
-            ckpt.save(wait=bool(stopped))
+            # the save before a stop is the run's state on disk: its failure ends the run whatever
+            # on_save_error says (a requeue would resume from an older checkpoint and fail again)
+            if not ckpt.save(wait=bool(stopped)) and (ckpt.stop_on_error or stopped):
+                return save_failed()
         if stopped:
             break
     if stopped:
-        ckpt.finish_pending()
+        if not ckpt.finish_pending():
+            return save_failed()
         log.warning("stopping after step %d of %d: %s; checkpoint saved", trainer.step, total, stopped)
         requeue = under_slurm() and cfg.slurm.requeue
         if requeue and requeue_self():
@@ -172,9 +277,13 @@ def train(cfg: DictConfig) -> int:
     if trainer.val_data is not None:
         trainer.actor.enter_rollout()
         metrics.write_validation(trainer.step, trainer.validate())
-    ckpt.save(wait=True)
+    if not ckpt.save(wait=True):  # the final state: nothing is left to go on with
+        return save_failed()
     trainer.close()
     metrics.close()
+    if ckpt.failed_steps:
+        log.warning("checkpoints of steps %s could not be saved (checkpoint.on_save_error=continue)",
+                    ckpt.failed_steps)
     log.info("done: %d steps; metrics in %s, logs in %s, checkpoints in %s", total, run_dir / "metrics.jsonl",
              Path(cfg.logging.dir), Path(cfg.checkpoint.dir))
     return 0
@@ -200,4 +309,10 @@ def main() -> int:
     log.info("hpcrl run %s: %s (Slurm job %s, restart %s)", cfg.trainer.experiment, run_dir,
              os.environ.get("SLURM_JOB_ID", "-"), restarts)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    return train(cfg)
+    status = train(cfg)
+    if status:
+        from hpcrl.launch.allocation import write_verdict
+
+        # a deliberate stop (NaN/Inf steps, ...): the Slurm launcher must not requeue what a restart repeats
+        write_verdict(str(run_dir), status)
+    return status

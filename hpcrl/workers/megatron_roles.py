@@ -285,6 +285,12 @@ class MegatronRole(Worker):
         return self._checkpointer().save(ckpt_dir, async_save)
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
+    def checkpoint_nbytes(self) -> int:
+        """~Bytes this rank's save_checkpoint will write (from tensor sizes, nothing copied): the
+        controller sums them over the ranks to refuse a save that cannot fit before it starts."""
+        return self._checkpointer().nbytes()
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
     def wait_checkpoint(self) -> list[dict[str, Any]]:
         """Finish an async save; its file records ([] when none is in flight)."""
         return self._checkpointer().wait()

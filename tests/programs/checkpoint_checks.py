@@ -11,6 +11,8 @@ step 3 must give byte-identical files to A's step 3 (a resumed run is bit-exact)
 C: a fresh actor at TP=1 (DP=4) loads step 2 (converted): log-probs within 1e-5 of A's, an update
 runs; its re-save, joined back into HF tensors, must equal step 2's for every tensor kind.
 Export: `ckpt export-hf` of step 2, HF transformers log-probs within 1e-5 of A's.
+Disk full: the trainer's Checkpointer saves P onto a tmpfs that holds 1.5 of its checkpoints:
+refused up front, then (the estimate bypassed) failing in the workers' writes, sync and async.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import logging
+import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -110,6 +115,83 @@ def hf_state_diff(a_dir: Path, b_dir: Path) -> dict[str, Any]:
             out["tensors"] += 1
             out["bit_equal"] &= torch.equal(full_a[k], full_b[k])
             out["max_abs"] = max(out["max_abs"], float((full_a[k] - full_b[k]).abs().max()))
+    return out
+
+
+def mount_tmpfs(path: Path, size: int) -> str | None:
+    """Mount a tmpfs of `size` bytes at `path` (a real full disk); why not, when it cannot be."""
+    if os.geteuid() != 0:
+        return "a full disk is made with `mount -t tmpfs`, which needs root"
+    path.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
+                       text=True)
+    return None if r.returncode == 0 else f"mount -t tmpfs is not permitted here: {r.stderr.strip()}"
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def disk_full_checks(group: Any, ckpt_bytes: int, batch: Any, tmp: Path) -> dict[str, Any]:
+    """The trainer's Checkpointer (a stand-in trainer: only its group is real) saving `group`, on
+    every worker, onto a tmpfs that holds 1.5 of its checkpoints. The first save fits; the second
+    is refused up front; with the estimate bypassed (the disk filled after the check) the workers'
+    writes run out, sync and async. After each: the error on the controller, the partial save
+    removed, step 2 the latest valid checkpoint; at the end every rank answers as before. `group`
+    must be the last one built: megatron's parallel state is one per process, the last layout's."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from hpcrl.trainer.main import Checkpointer
+
+    mnt = tmp / "full"
+    why = mount_tmpfs(mnt, int(1.5 * ckpt_bytes) // 4096 * 4096)
+    if why:
+        return {"skipped": why}
+    log = _Records()
+    logging.getLogger("hpcrl").addHandler(log)
+    out: dict[str, Any] = {"root": str(mnt / "checkpoints")}
+    try:
+        logprob = group.compute_logprob(batch)
+        cfg = OmegaConf.create({"checkpoint": {"dir": out["root"], "keep_last": 2, "keep_every": 0,
+                                               "async_save": False, "resume": "never", "on_save_error": "stop"}})
+        counter = SimpleNamespace(state_dict=lambda: {"epoch": 0})
+        trainer = SimpleNamespace(step=2, sampler=counter, kl_ctrl=counter, trained_groups=lambda: [group])
+        ck = Checkpointer(cfg, trainer, SimpleNamespace(cursor=lambda: 0))
+        store = ck.store
+        out["first_saved"] = ck.save(wait=True)
+        first, free = store.latest_valid(), store.free_bytes()
+
+        def after(name: str) -> None:
+            out[f"{name}_log"] = log.messages[-1] if log.messages else ""
+            valid = store.latest_valid(verify_checksums=True)
+            out[f"{name}_state"] = {"latest_valid": valid.name if valid else None,
+                                    "steps": [i.step for i in store.list()],
+                                    "debris": sorted(p.name for p in store.root.iterdir() if p.name.startswith(".")),
+                                    "free_back": store.free_bytes() == free,
+                                    "first_verifies": store.verify(first, checksums=True) == []}
+
+        trainer.step = 3
+        out["refused_returned"] = ck.save(wait=True)
+        after("refused")
+        store.check_space = lambda step, needed: None  # someone else filled the disk after the check
+        out["sync_returned"] = ck.save(wait=True)
+        after("sync")
+        ck.async_save = True
+        out["async_save_returned"] = ck.save()
+        out["async_finish_returned"] = ck.finish_pending()
+        after("async")
+        out["wait_after"] = group.wait_checkpoint()
+        out["logprob_equal"] = bool(torch.equal(group.compute_logprob(batch), logprob))
+    finally:
+        logging.getLogger("hpcrl").removeHandler(log)
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
     return out
 
 
@@ -282,6 +364,9 @@ def main() -> None:
     res["export_hf_logprob_vs_A"] = masked_max(mc.hf_logprobs(str(out_hf), batch), lp2, mask)
     res["list"] = [(i.step, i.valid, i.latest, i.size) for i in store.list()]
     lap("export-hf + HF log-probs")
+
+    res["disk_full"] = disk_full_checks(pg, store_p.manifest(ckp)["total_bytes"], batch, tmp)
+    lap("disk full")
 
     res["timings"]["total"] = round(time.time() - t_all, 1)
     Path(out_path).write_text(json.dumps(res, indent=1, default=str))

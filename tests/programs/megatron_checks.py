@@ -27,6 +27,12 @@ TINY = str(REPO / "models" / "tiny-qwen2")
 SMOLLM2 = str(REPO / "models" / "smollm2-135m-instruct")
 
 
+def requested_layouts() -> list[tuple[int, int]]:
+    """(TP, PP) layouts to check: HPCRL_TEST_LAYOUTS ("1x1 2x2", default all four; see the test module)."""
+    spec = os.environ.get("HPCRL_TEST_LAYOUTS", "1x1 2x1 1x2 2x2")
+    return [(int(x.split("x")[0]), int(x.split("x")[1])) for x in spec.split()]
+
+
 def make_cfg(model: str, tp: int, pp: int, **actor: Any) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
@@ -194,7 +200,7 @@ def reference_step_checks(workers: int, res: dict[str, Any], timed: Any) -> None
     res["reference_step"] = {}
     for case in REFERENCE_CASES:
         tp, pp = case["layout"]
-        if workers % (tp * pp):
+        if case["layout"] not in requested_layouts():
             continue
         t0 = time.time()
         t = case.get("t", REF_T)
@@ -237,8 +243,7 @@ def reference_step_checks(workers: int, res: dict[str, Any], timed: Any) -> None
 
     # on-policy (1 mini-batch, 1 epoch): the update without a separate old-log-prob pass (its own
     # forward, detached) equals the update with one; the gap to the rollout is measured inside
-    tp, pp = max((lay for lay in [(1, 1), (2, 1), (1, 2), (2, 2)] if workers % (lay[0] * lay[1]) == 0),
-                 key=lambda lay: lay[0] * lay[1])
+    tp, pp = max(requested_layouts(), key=lambda lay: lay[0] * lay[1])
     t0 = time.time()
     fake_rollout = batch["old_logprob"] + 0.01 * torch.randn(batch["old_logprob"].shape,
                                                              generator=torch.Generator().manual_seed(9))
@@ -267,8 +272,7 @@ def reference_step_checks(workers: int, res: dict[str, Any], timed: Any) -> None
     timed("on-policy skip", t0)
 
     # the critic: clipped value loss, zero-initialised head, fp32 at the largest layout
-    tp, pp = max((lay for lay in [(1, 1), (2, 1), (1, 2), (2, 2)] if workers % (lay[0] * lay[1]) == 0),
-                 key=lambda lay: lay[0] * lay[1])
+    tp, pp = max(requested_layouts(), key=lambda lay: lay[0] * lay[1])
     t0 = time.time()
     cfg = make_cfg(TINY, tp, pp)
     cfg["critic"].update(parallel={"tensor_parallel": tp, "pipeline_parallel": pp, "data_parallel": None},
@@ -308,8 +312,10 @@ def main() -> None:
 
     out_path = sys.argv[1]
     workers = get_runtime().world.size - 1
-    # 4 CPU workers in CI; on a GPU machine one worker per GPU, so fewer layouts may fit
-    layouts = [(tp, pp) for tp, pp in [(1, 1), (2, 1), (1, 2), (2, 2)] if workers % (tp * pp) == 0]
+    # 4 CPU workers in CI: every layout; on a GPU machine tools/gpu_smoke.sh requests those that fit
+    layouts = requested_layouts()
+    if any(workers % (tp * pp) for tp, pp in layouts):
+        raise SystemExit(f"HPCRL_TEST_LAYOUTS asks for {layouts}, which {workers} worker(s) cannot all hold")
     res: dict[str, Any] = {"timings": {}, "workers": workers, "cuda": torch.cuda.is_available()}
     tmp = Path(tempfile.mkdtemp(prefix="hpcrl-mcore-"))
     t_all = time.time()
