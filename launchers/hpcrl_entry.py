@@ -24,6 +24,7 @@ import faulthandler
 import importlib
 import importlib.util
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -120,6 +121,14 @@ def main(argv: list[str] | None = None) -> None:
               f"{removed[0].parent} ({', '.join(p.name for p in removed[:3])}{', ...' if len(removed) > 3 else ''})",
               file=sys.stderr, flush=True)
 
+    # MPI's start-up can hang for good: once on the local cluster, under load, slurmstepd's pmi2 agent
+    # got a garbled request, 3 ranks aborted and 2 spun in MPI_Init for 15 minutes while srun waited.
+    # The kernel ends a rank with SIGALRM if the world is not up within the bound (the runtime
+    # cancels it then), so the step fails and a Slurm job can requeue itself instead of idling.
+    init_bound = int(float(os.environ.get("HPCRL_MPI_INIT_TIMEOUT", "300")))
+    if init_bound > 0:
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(init_bound)
     from hpcrl.controller.app import RuntimeOptions, run
 
     opts = RuntimeOptions.from_env()

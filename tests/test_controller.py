@@ -392,3 +392,20 @@ def test_slurm_hetjob_one_world(tmp_path: Path) -> None:
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_a_world_that_cannot_start_ends_within_the_init_bound(tmp_path: Path) -> None:
+    """Rank 1 never starts MPI: without HPCRL_MPI_INIT_TIMEOUT rank 0 spins in MPI_Init for good
+    (measured: still spinning after 10 min); with it, the kernel ends rank 0 and the world fails."""
+    rank1_never_starts = (f'if [ "$PMI_RANK" = 0 ]; then exec {sys.executable} launchers/hpcrl_entry.py '
+                          f'launchers/check_world.py {tmp_path}/out.json; else sleep 120; fi')
+    t0 = time.monotonic()
+    from hpcrl.launch.commands import find_mpiexec
+
+    # plain hydra (not mpiexec_command's one proxy per rank): it ends rank 1 once rank 0 is gone
+    r = subprocess.run([find_mpiexec(), "-n", "2", "bash", "-c", rank1_never_starts], cwd=Path(__file__).parent.parent,
+                       env={**os.environ, "HPCRL_MPI_INIT_TIMEOUT": "5"}, capture_output=True, text=True,
+                       timeout=100)
+    took = time.monotonic() - t0
+    assert r.returncode != 0 and not (tmp_path / "out.json").exists(), r.stdout + r.stderr
+    assert took < 60, f"the world took {took:.0f} s to end"

@@ -168,6 +168,7 @@ def run(main: Callable[[], Any], options: RuntimeOptions | None = None) -> Any:
     """Start the runtime on every rank of the MPI world; returns `main()`'s value on rank 0, None elsewhere."""
     opts = options or RuntimeOptions.from_env()
     world = init_world()
+    signal.alarm(0)  # the world is up: cancel launchers/hpcrl_entry.py's bound on MPI's start-up
     tighten_timer_slack()
     _install_hooks(world)
     _survive_failure_notices()
