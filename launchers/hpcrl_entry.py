@@ -112,14 +112,14 @@ def main(argv: list[str] | None = None) -> None:
     # a segfault or abort in C/C++ then leaves the Python stacks of every thread in that file
     faulthandler.enable(all_threads=True)
 
-    # before MPI starts: segments that killed jobs left in /dev/shm (see hpcrl/launch/shm.py)
-    from hpcrl.launch.shm import remove_stale_segments
+    # before MPI starts: segments that killed jobs left in /dev/shm (see hpcrl/launch/shm.py; under
+    # Slurm the launcher removes them on every node before this step, never the ranks themselves)
+    if "SLURM_STEP_ID" not in os.environ:
+        from hpcrl.launch.shm import describe_removed, remove_stale_segments
 
-    removed = remove_stale_segments()
-    if removed:
-        print(f"[hpcrl entry] removed {len(removed)} shared-memory segment(s) that killed jobs left in "
-              f"{removed[0].parent} ({', '.join(p.name for p in removed[:3])}{', ...' if len(removed) > 3 else ''})",
-              file=sys.stderr, flush=True)
+        removed = remove_stale_segments()
+        if removed:
+            print(f"[hpcrl entry] {describe_removed(removed)}", file=sys.stderr, flush=True)
 
     # MPI's start-up can hang for good: once on the local cluster, under load, slurmstepd's pmi2 agent
     # got a garbled request, 3 ranks aborted and 2 spun in MPI_Init for 15 minutes while srun waited.

@@ -40,6 +40,7 @@ from typing import Any
 from hpcrl.launch.commands import entry_argv, srun_het_command
 
 TRAINER_TARGET = "hpcrl.trainer.main:main"
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 FORWARDED_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
 # Written by the trainer when it stops on purpose with a non-zero status (e.g. 3 after
 # trainer.max_nonfinite_steps NaN/Inf steps): srun's exit status alone cannot tell that from a crash
@@ -224,6 +225,30 @@ def run_srun(argv: Sequence[str], env: Mapping[str, str], received: list[int] | 
     return 128 - rc if rc < 0 else rc
 
 
+def remove_stale_segments_on_every_node(env: Mapping[str, str], run_env: Mapping[str, str], python: str) -> None:
+    """/dev/shm segments of killed jobs, removed before the world's step (why: hpcrl/launch/shm.py):
+    here, on het group 0's node, and by one task per worker node in a step of its own."""
+    from hpcrl.launch.shm import describe_removed, remove_stale_segments
+
+    removed = remove_stale_segments()
+    if removed:
+        print(f"[hpcrl slurm] {describe_removed(removed)}", file=sys.stderr, flush=True)
+    nodes = env.get("SLURM_JOB_NUM_NODES_HET_GROUP_1", "")
+    if not nodes.isdigit():
+        return
+    code = (f"import sys; sys.path.insert(0, {_REPO!r}); import runpy; "
+            "runpy.run_module('hpcrl.launch.shm', run_name='__main__')")
+    cmd = ["srun", "--het-group=1", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", python, "-c", code]
+    try:
+        r = subprocess.run(cmd, env=dict(run_env), timeout=120)
+        if r.returncode != 0:
+            print(f"[hpcrl slurm] warning: the /dev/shm clean-up step on the worker nodes exited with {r.returncode}",
+                  file=sys.stderr, flush=True)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        print(f"[hpcrl slurm] warning: the /dev/shm clean-up step on the worker nodes failed: {e}",
+              file=sys.stderr, flush=True)
+
+
 def launch(target: str, program_args: Sequence[str], *, config_args: bool = True,
            env: Mapping[str, str] | None = None, python: str | None = None, srun_extra: Sequence[str] = ()) -> int:
     """Everything the module docstring lists; returns srun's exit status.
@@ -248,6 +273,7 @@ def launch(target: str, program_args: Sequence[str], *, config_args: bool = True
             srun_extra = [f"--mpi={cfg.slurm.mpi}", *srun_extra]
         record_job(run_dir, base_env, [target, *args])
     run_env.setdefault("PYTHONUNBUFFERED", "1")  # ranks' lines reach the job log as they happen
+    remove_stale_segments_on_every_node(base_env, run_env, python or sys.executable)
     cmd = srun_het_command(entry_argv(target, args, python=python), extra=srun_extra)
     print(f"[hpcrl slurm] job {base_env.get('SLURM_JOB_ID', '?')} restart {base_env.get('SLURM_RESTART_COUNT', '0')}"
           f": {shlex.join(cmd)}", file=sys.stderr, flush=True)

@@ -7,8 +7,14 @@ for every job on the node), so the next rollout world on the node failed at star
 `create shm in SHMManager failed. errno: 17` (EEXIST); hpcrl now gives them a name unique to the
 job (`hpcrl.engines.vllm.engine`), and MPICH's already carry a per-job hash.
 
-`remove_stale_segments` runs on every rank before MPI starts (launchers/hpcrl_entry.py). A
-segment is stale when it matches one of `PATTERNS`, belongs to this user, is older than
+When it runs: for `hpcrl run` and other local launches, on every rank before MPI starts
+(launchers/hpcrl_entry.py). Under Slurm, before the world's srun step, once per node (the
+launcher here, `srun --het-group=1` one task per worker node: `python -m hpcrl.launch.shm`), and
+not in the ranks. Why: MPICH's hash comes from the step's id, so a requeued job's world reuses the
+names its killed predecessor left; a rank that removed them while a faster rank of the same node
+had already opened one split that rank from its peers (measured in CI: garbled pmi2 requests and
+two ranks spinning in MPI_Init). Removed before the step starts, nothing of the new world exists.
+A segment is stale when it matches one of `PATTERNS`, belongs to this user, is older than
 `min_age_s`, and no process on the node has it mapped or open (read from /proc/*/maps and
 /proc/*/fd). The age bound protects a segment another job on the node has just created and not
 yet mapped; a live job's segments are always mapped, so they are never removed.
@@ -85,3 +91,17 @@ def remove_stale_segments(dir_: Path = SHM_DIR, min_age_s: float = 2.0) -> list[
         except OSError:  # e.g. another rank of this node removed it first
             continue
     return removed
+
+
+def describe_removed(removed: list[Path]) -> str:
+    names = ", ".join(p.name for p in removed[:3]) + (", ..." if len(removed) > 3 else "")
+    return f"removed {len(removed)} shared-memory segment(s) that killed jobs left in {removed[0].parent} ({names})"
+
+
+if __name__ == "__main__":  # one task per node, before a Slurm job's world starts
+    import socket
+    import sys
+
+    gone = remove_stale_segments()
+    if gone:
+        print(f"[hpcrl shm] {socket.gethostname()}: {describe_removed(gone)}", file=sys.stderr, flush=True)
