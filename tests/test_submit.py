@@ -197,10 +197,12 @@ def test_dangerous_run_name_runs_and_executes_nothing(jobs: dict) -> None:
     assert not list(marker.parent.glob(f"{marker.name}*"))
     info = json.loads((run_dir / "slurm" / "job.json").read_text())
     assert info["job_name"] == name and info["restart_count"] == 0
-    # sacct keeps the name after slurmctld has forgotten the job (scontrol may no longer show it)
+    # sacct keeps the name after slurmctld has forgotten the job (scontrol may no longer show it);
+    # slurmdbd stores a double quote as a backquote (measured: `"q"` comes back as `` `q` ``)
     acct = run(["sacct", "-j", sub["job_id"], "-n", "--parsable2", "-o", "JobID,JobName"], timeout=60)
     names = dict(line.split("|", 1) for line in acct.stdout.splitlines() if "|" in line)
-    assert names.get(f"{sub['job_id']}+0") == name and names.get(f"{sub['job_id']}+1") == name, acct.stdout
+    stored = name.replace('"', "`")
+    assert names.get(f"{sub['job_id']}+0") == stored and names.get(f"{sub['job_id']}+1") == stored, acct.stdout
     assert Path(sub["stdout"]).parent == run_dir / "slurm"
 
 
