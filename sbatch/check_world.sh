@@ -15,4 +15,7 @@
 set -euo pipefail
 cd "${SLURM_SUBMIT_DIR:?run this with sbatch}"
 PY=${HPCRL_PYTHON:-$SLURM_SUBMIT_DIR/.venv/bin/python}
+# /dev/shm segments of killed jobs, removed on every node before the world starts (hpcrl/launch/shm.py)
+"$PY" -m hpcrl.launch.shm || true
+srun --het-group=1 --ntasks="${SLURM_JOB_NUM_NODES_HET_GROUP_1:-1}" --ntasks-per-node=1 "$PY" -m hpcrl.launch.shm || true
 srun --mpi=pmi2 --het-group=0,1 "$PY" launchers/hpcrl_entry.py launchers/check_world.py "$@"
