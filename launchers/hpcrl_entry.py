@@ -121,8 +121,9 @@ def main(argv: list[str] | None = None) -> None:
         if removed:
             print(f"[hpcrl entry] {describe_removed(removed)}", file=sys.stderr, flush=True)
 
-    # MPI's start-up can hang for good: once on the local cluster, under load, slurmstepd's pmi2 agent
-    # got a garbled request, 3 ranks aborted and 2 spun in MPI_Init for 15 minutes while srun waited.
+    # MPI's start-up can hang for good: on the local cluster, slurmstepd's pmi2 plugin got garbled
+    # requests (hpcrl/launch/commands.py, SLURM_PMI2_ENV), 3 ranks aborted and 2 spun in MPI_Init for
+    # 15 minutes while srun waited.
     # The kernel ends a rank with SIGALRM if the world is not up within the bound (the runtime
     # cancels it then), so the step fails and a Slurm job can requeue itself instead of idling.
     init_bound = int(float(os.environ.get("HPCRL_MPI_INIT_TIMEOUT", "300")))

@@ -18,4 +18,6 @@ PY=${HPCRL_PYTHON:-$SLURM_SUBMIT_DIR/.venv/bin/python}
 # /dev/shm segments of killed jobs, removed on every node before the world starts (hpcrl/launch/shm.py)
 "$PY" -m hpcrl.launch.shm || true
 srun --het-group=1 --ntasks="${SLURM_JOB_NUM_NODES_HET_GROUP_1:-1}" --ntasks-per-node=1 "$PY" -m hpcrl.launch.shm || true
+# MPICH's UCX netmod overflows Slurm's pmi2 request buffer at MPI_Init; OFI's does not (hpcrl/launch/commands.py)
+export MPIR_CVAR_CH4_NETMOD=${MPIR_CVAR_CH4_NETMOD:-ofi}
 srun --mpi=pmi2 --het-group=0,1 "$PY" launchers/hpcrl_entry.py launchers/check_world.py "$@"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -23,7 +24,8 @@ import torch
 
 from hpcrl.controller import Batch, Collect, Dispatch, ParallelLayout, Worker, register
 from hpcrl.controller.dispatch import dp_split, merge, method_mode
-from hpcrl.launch import entry_argv, mpiexec_command
+from hpcrl.launch import entry_argv, mpiexec_command, srun_het_command
+from hpcrl.launch.commands import srun_env
 from hpcrl.launch.exit_order import hydra_announces_exits, plan_exit
 
 REPO = Path(__file__).resolve().parents[1]
@@ -390,8 +392,40 @@ def test_slurm_hetjob_one_world(tmp_path: Path) -> None:
     assert "[check_world] OK: one MPI world" in logs
 
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q"]))
+@pytest.mark.slurm
+@pytest.mark.usefixtures("slurm_cluster")
+def test_slurm_world_starts_with_a_dirty_heap(tmp_path: Path) -> None:
+    """MPI_Init over Slurm's pmi2 with the launcher's environment, every rank's heap full of non-zero bytes.
+
+    Without hpcrl/launch/commands.py's SLURM_PMI2_ENV (MPIR_CVAR_CH4_NETMOD=ucx, measured 2 of 2 and
+    every trainer start of one CI run) slurmstepd logs `value not properly terminated` and the world
+    never starts: MPICH's UCX address exchange writes PMI lines longer than the plugin reads.
+    """
+    out, log = tmp_path / "world.json", tmp_path / "dirty-%j.out"
+    srun = shlex.join(srun_het_command([sys.executable, str(REPO / "tests" / "programs" / "dirty_heap_world.py"),
+                                        str(out)]))
+    script = tmp_path / "dirty_heap.sh"
+    script.write_text("#!/bin/bash\n"
+                      "#SBATCH --partition=normal --nodes=1 --ntasks-per-node=1 --cpus-per-task=1 --mem=1G --time=5\n"
+                      "#SBATCH hetjob\n"
+                      "#SBATCH --partition=normal --nodes=2 --ntasks-per-node=2 --cpus-per-task=1 --mem=1G\n"
+                      f"timeout 90 {srun}\n")
+    env = srun_env({k: v for k, v in os.environ.items() if k != "MPIR_CVAR_CH4_NETMOD"})
+    job = subprocess.run(["sbatch", "--parsable", f"--output={log}", str(script)], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=30, check=True).stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 180
+    try:
+        while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True, timeout=30).stdout.strip():
+            if time.monotonic() > deadline:
+                pytest.fail(f"hetjob {job} did not finish in time")
+            time.sleep(0.5)
+    finally:
+        subprocess.run(["scancel", job], capture_output=True, timeout=30)
+    logs = "\n".join(p.read_text(errors="replace") for p in tmp_path.glob("dirty-*.out"))
+    assert "not properly terminated" not in logs and out.exists(), logs[-3000:]
+    world = json.loads(out.read_text())
+    assert world["size"] == 5 and len(set(world["nodes"])) == 3 and world["netmod"] == "ofi", world
+
 
 
 def test_a_world_that_cannot_start_ends_within_the_init_bound(tmp_path: Path) -> None:
@@ -409,3 +443,7 @@ def test_a_world_that_cannot_start_ends_within_the_init_bound(tmp_path: Path) ->
     took = time.monotonic() - t0
     assert r.returncode != 0 and not (tmp_path / "out.json").exists(), r.stdout + r.stderr
     assert took < 60, f"the world took {took:.0f} s to end"
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

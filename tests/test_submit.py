@@ -148,6 +148,8 @@ def test_signals_reach_the_controller_and_cancel(tmp_path: Path, env_registry: d
         _wait_for(lambda: "ready" in _events(probe), "the probe's worker group", JOB_DEADLINE_S)
         ready = json.loads(probe.read_text().splitlines()[0])
         assert len(ready["workers"]) == 2 and ready["argv"][0] == str(run_dir / "slurm" / "config.yaml")
+        # the launcher's MPICH netmod for Slurm's pmi2 reached the ranks (why: hpcrl/launch/commands.py)
+        assert {w["netmod"] for w in ready["workers"]} == {"ofi"}, ready["workers"]
         assert run(["scancel", "--batch", "--signal=USR1", job]).returncode == 0
         _wait_for(lambda: "SIGUSR1" in _events(probe), "USR1 at the controller", 60)
         c = run([HPCRL, "cancel", job], env=env_registry)

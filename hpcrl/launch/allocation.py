@@ -6,7 +6,8 @@ which `sbatch/*.sh` exec, or the function `hpcrl submit` hands to submitit). It
 1. checks that the job is a two-component hetjob (group 0: the controller, group 1: the workers),
 2. for a config-driven program: loads CONFIG + overrides, makes `trainer.nnodes` / `trainer.workers_per_node`
    match what Slurm actually allocated to group 1, pins `trainer.run_dir` to an absolute path, validates,
-3. exports `HPCRL_RUN_DIR` (what the resume logic needs besides `SLURM_RESTART_COUNT`, which Slurm sets),
+3. exports `HPCRL_RUN_DIR` (what the resume logic needs besides `SLURM_RESTART_COUNT`, which Slurm sets)
+   and, under `--mpi=pmi2`, MPICH's netmod (`commands.SLURM_PMI2_ENV`: UCX's start-up overflows the plugin),
    records the job in the job registry and in `{run_dir}/slurm/job.json`,
 4. runs `srun --mpi=pmi2 --het-group=0,1 python launchers/hpcrl_entry.py TARGET ARGS...` as a child and
    forwards USR1 and TERM to it; srun relays them to every task.
@@ -37,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from types import FrameType
 from typing import Any
 
-from hpcrl.launch.commands import entry_argv, srun_het_command
+from hpcrl.launch.commands import entry_argv, srun_env, srun_het_command
 
 TRAINER_TARGET = "hpcrl.trainer.main:main"
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -272,6 +273,8 @@ def launch(target: str, program_args: Sequence[str], *, config_args: bool = True
         if cfg.slurm.mpi != "pmi2":
             srun_extra = [f"--mpi={cfg.slurm.mpi}", *srun_extra]
         record_job(run_dir, base_env, [target, *args])
+    if cfg is None or cfg.slurm.mpi == "pmi2":
+        run_env = srun_env(run_env)  # MPICH's netmod for Slurm's pmi2 (why: hpcrl/launch/commands.py)
     run_env.setdefault("PYTHONUNBUFFERED", "1")  # ranks' lines reach the job log as they happen
     remove_stale_segments_on_every_node(base_env, run_env, python or sys.executable)
     cmd = srun_het_command(entry_argv(target, args, python=python), extra=srun_extra)

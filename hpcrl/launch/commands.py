@@ -3,7 +3,8 @@
 Why here: the flags matter for failure semantics and are easy to forget: the controller
 must survive a worker's death long enough to name it and abort the job itself. Under Slurm,
 `--mpi=pmi2` is the PMI that Debian's Slurm and pip's MPICH share, and `--het-group=0,1`
-joins the controller component and the worker component into one MPI world.
+joins the controller component and the worker component into one MPI world; `srun_env` holds the
+MPICH setting that this PMI needs (why: its docstring).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 ENTRY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                      "launchers", "hpcrl_entry.py")
@@ -47,6 +48,26 @@ def mpiexec_command(num_workers: int, argv: Sequence[str], mpiexec: str | None =
 def srun_het_command(argv: Sequence[str], extra: Sequence[str] = ()) -> list[str]:
     """Inside a two-component hetjob: one world, component 0 = controller, component 1 = workers."""
     return ["srun", "--mpi=pmi2", "--het-group=0,1", *extra, *argv]
+
+
+# What MPICH needs under `srun --mpi=pmi2` (measured with pip's MPICH 5.0.2 and Debian's Slurm, PMI_DEBUG=1):
+# at MPI_Init the UCX netmod puts ~4.6 KB per node into the PMI key-value space, its worker address
+# followed by whatever heap memory lies behind it, hex-encoded in lines of up to ~1080 bytes. Slurm's
+# pmi2 plugin reads a PMI-1 request into a fixed buffer (lines of up to 1006 bytes passed, longer ones
+# were cut), so a line with few zero bytes in it is cut in two: slurmstepd logs `value not properly
+# terminated in client request`, the peers unpack a corrupt address (UCX `invalid bandwidth 0.00`)
+# and MPI_Init aborts on some ranks and hangs on the others. How dirty the heap is depends on what a
+# rank did before MPI_Init, so it came and went with code changes (10 of 10 trainer starts under
+# Slurm failed in one CI run, none in the run before; a rank that fills its heap with non-zero bytes
+# first fails every time: tests/programs/dirty_heap_world.py). The OFI netmod's address is 16 bytes.
+# hpcrl's MPI traffic is the controller's messages (tensors travel over torch.distributed), so the
+# netmod carries no heavy traffic. A value the user set wins.
+SLURM_PMI2_ENV = {"MPIR_CVAR_CH4_NETMOD": "ofi"}
+
+
+def srun_env(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` plus SLURM_PMI2_ENV's settings that it does not already have, for `srun_het_command`."""
+    return {**SLURM_PMI2_ENV, **env}
 
 
 def entry_argv(target: str, program_args: Sequence[str] = (), python: str | None = None) -> list[str]:

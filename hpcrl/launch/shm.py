@@ -11,9 +11,10 @@ When it runs: for `hpcrl run` and other local launches, on every rank before MPI
 (launchers/hpcrl_entry.py). Under Slurm, before the world's srun step, once per node (the
 launcher here, `srun --het-group=1` one task per worker node: `python -m hpcrl.launch.shm`), and
 not in the ranks. Why: MPICH's hash comes from the step's id, so a requeued job's world reuses the
-names its killed predecessor left; a rank that removed them while a faster rank of the same node
-had already opened one split that rank from its peers (measured in CI: garbled pmi2 requests and
-two ranks spinning in MPI_Init). Removed before the step starts, nothing of the new world exists.
+names its killed predecessor left, and a rank removing them could remove a segment that a faster
+rank of the same node had just opened. Removed before the step starts, nothing of the new world
+exists. (The garbled pmi2 requests once blamed on this had another cause: hpcrl/launch/commands.py,
+SLURM_PMI2_ENV.)
 A segment is stale when it matches one of `PATTERNS`, belongs to this user, is older than
 `min_age_s`, and no process on the node has it mapped or open (read from /proc/*/maps and
 /proc/*/fd). The age bound protects a segment another job on the node has just created and not

@@ -25,7 +25,8 @@ signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 class Echo(Worker):
     def where(self) -> dict:
-        return {"pid": os.getpid(), "node": os.environ.get("SLURMD_NODENAME", "")}
+        return {"pid": os.getpid(), "node": os.environ.get("SLURMD_NODENAME", ""),
+                "netmod": os.environ.get("MPIR_CVAR_CH4_NETMOD", "")}
 
 
 def main() -> None:
