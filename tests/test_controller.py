@@ -215,6 +215,14 @@ def test_colocated_groups_share_processes(scenarios: dict[str, Any]) -> None:
     assert {w["group"] for w in scenarios["colocated"]} == {"critic"}
 
 
+def test_closed_group_is_freed_on_its_ranks(scenarios: dict[str, Any]) -> None:
+    assert [h["alive"] for h in scenarios["holders_before_close"]] == [1, 1, 0, 0]
+    assert scenarios["holders_after_close"] == [{"alive": 0, "closed": ["held"]}] * 2 + [
+        {"alive": 0, "closed": []}] * 2
+    assert "was closed" in scenarios["call_after_close"] and "held" in scenarios["call_after_close"]
+    assert scenarios["same_name_again"] == ["held"]
+
+
 def test_futures_overlap_and_timeout(scenarios: dict[str, Any]) -> None:
     assert scenarios["future_done_early"] is False
     assert 1.0 <= scenarios["overlap_elapsed_s"] < 1.8  # two 1 s calls on disjoint ranks ran together

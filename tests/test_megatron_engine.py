@@ -102,7 +102,14 @@ def test_cpu_path_uses_local_spec_and_gloo(checks: dict) -> None:
     if checks["cuda"]:
         assert checks["engine"]["backend"] == "nccl" and checks["engine"]["device"].startswith("cuda")
     else:
-        assert checks["engine"] == {**checks["engine"], "spec": "local", "device": "cpu", "backend": "gloo"}
+        assert checks["engine"] == {**checks["engine"], "spec": "local", "device": "cpu", "backend": "gloo",
+                                    "torch_compile": False}
+
+
+def test_rebuilt_layouts_leave_no_process_groups_behind(checks: dict) -> None:
+    """By the last tiny layout this world built ~10 actors in 5 layouts; torch's registry holds the
+    last layout's groups (17-21 on 4 ranks) and the world's, not ~17 more per earlier build."""
+    assert 0 < checks["engine"]["process_groups"] <= 25, checks["engine"]
 
 
 @pytest.mark.gpu

@@ -4,8 +4,9 @@ The reference is the session's uninterrupted GRPO run (conftest.grpo_reference: 
 TP=2, checkpoints every 4 steps). On the local Slurm cluster the same run (1 controller node + 2 nodes
 x 2 workers: the same 4-rank layout) is
   - sent SIGUSR1 after step 3 (what `--signal=B:USR1@N` does before the time limit): the controller
-    saves at the next step boundary, requeues the job itself, and the restarted job resumes;
-  - preempted by a job on a higher-priority partition (PreemptMode=REQUEUE: TERM, grace, requeue);
+    saves at the next step boundary, requeues the job itself, and the restarted job resumes; then,
+    in the same job, preempted by a job on a higher-priority partition (PreemptMode=REQUEUE: TERM,
+    grace, requeue), and resumed again;
   - killed: a worker SIGKILLed in the update, then another in the rollout, then the controller: each
     time the job fails (the loss named with rank and host within the heartbeat bound), requeues itself
     and resumes from the last checkpoint.
@@ -114,32 +115,26 @@ def controller_log(run_dir: Path) -> str:
 
 
 @pytest.mark.slurm
-def test_usr1_saves_requeues_and_resumes_bit_exact(slurm_cluster: None, grpo_reference: tuple[Path, list[dict]],
-                                                    tmp_path: Path) -> None:
-    run_dir = tmp_path / "usr1"
-    job = submit(run_dir, "normal")
+def test_usr1_then_preemption_requeue_and_resume_bit_exact(slurm_cluster: None,
+                                                           grpo_reference: tuple[Path, list[dict]],
+                                                           tmp_path: Path) -> None:
+    """One job on the preemptible partition meets both interruptions in turn, as a long run on a
+    preemptible queue does: SIGUSR1 after step 3, then, once the restarted job has resumed, a job on
+    a higher-priority partition that preempts it. One job instead of two saves a start-up and a run."""
+    run_dir = tmp_path / "usr1-preempted"
+    job = submit(run_dir, "preempt")
+    high = None
+
+    def resumed_once() -> bool:
+        poke_if_pending(job, "preempt")
+        log = run_dir / "logs" / "controller.log"
+        return log.exists() and "resumed from" in log.read_text() and steps_done(run_dir) >= 5
+
     try:
         wait_for(lambda: steps_done(run_dir) >= 3, 600, "step 3", job)
         r = subprocess.run(["scancel", "--signal=USR1", "--batch", job], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
-        wait_for(lambda: finished(job, "normal"), 900, "the job to finish", job)
-    finally:
-        subprocess.run(["scancel", job], capture_output=True)
-    check_completed_after_restart(job)
-    log = controller_log(run_dir)
-    assert "signal SIGUSR1; checkpoint saved" in log and "requeued" in log and "resumed from" in log
-    check_same_as_reference(run_dir, grpo_reference)
-
-
-@pytest.mark.slurm
-def test_preempted_by_higher_priority_job_resumes_bit_exact(slurm_cluster: None,
-                                                            grpo_reference: tuple[Path, list[dict]],
-                                                            tmp_path: Path) -> None:
-    run_dir = tmp_path / "preempted"
-    job = submit(run_dir, "preempt")
-    high = None
-    try:
-        wait_for(lambda: steps_done(run_dir) >= 3, 600, "step 3", job)
+        wait_for(resumed_once, 600, "the resume after SIGUSR1", job)
         # all 4 nodes, exclusively, on the high-priority partition: Slurm must preempt the run to start it
         r = subprocess.run(["sbatch", "--parsable", "-p", "high", "-N", "4", "--exclusive", "--mem=100M", "-t", "2",
                             "-o", str(tmp_path / "high-%j.out"), "--wrap", "sleep 2"],
@@ -150,7 +145,10 @@ def test_preempted_by_higher_priority_job_resumes_bit_exact(slurm_cluster: None,
     finally:
         subprocess.run(["scancel", job] + ([high] if high else []), capture_output=True)
     check_completed_after_restart(job)
-    assert "resumed from" in controller_log(run_dir)
+    assert job_status(job)["restarts"] >= 2  # the self-requeue after USR1, then the preemption's
+    log = controller_log(run_dir)
+    assert "signal SIGUSR1; checkpoint saved" in log and "requeued" in log, log[-3000:]
+    assert log.count("resumed from") >= 2, log[-3000:]
     check_same_as_reference(run_dir, grpo_reference)
 
 

@@ -76,6 +76,7 @@ class WorkerGroup:
             raise ValueError(f"layout has {layout.size} ranks, the group {len(self.ranks)}")
         self._layout = layout
         self._methods: dict[str, BoundMethod] = {}
+        self._closed = False
         enc = encode((tuple(init_args), dict(init_kwargs or {})))
         base = {"k": "create", "obj": self.name, "cls": (cls.__module__, cls.__qualname__),
                 "group_size": len(self.ranks)}
@@ -84,6 +85,16 @@ class WorkerGroup:
             for i, r in enumerate(self.ranks)
         }
         rt.submit(f"{self.name}.__init__", messages, lambda results: None).result()
+
+    def close(self) -> None:
+        """Drop the group's objects on their ranks (each object's `close()` runs first), freeing
+        what they hold: models, optimizer state, process groups. Calls after this are refused."""
+        if self._closed:
+            return
+        messages = {r: ({"k": "drop", "obj": self.name}, encode(((), {}))) for r in self.ranks}
+        get_runtime().submit(f"{self.name}.close", messages, lambda results: None).result()
+        self._closed = True
+        self._methods.clear()
 
     @property
     def size(self) -> int:
@@ -121,6 +132,8 @@ class WorkerGroup:
 
     def submit(self, method: str, args: tuple, kwargs: dict, mode: MethodMode) -> Future:
         """Dispatch one call according to `mode`; the building block of the proxies above."""
+        if self._closed:
+            raise RuntimeError(f"{self!r} was closed: its objects no longer exist on the workers")
         n = len(self.ranks)
         wanted = self._wanted_ranks(mode.collect)
         header = {"k": "call", "obj": self.name, "m": method}

@@ -10,6 +10,7 @@ serving; anything else that goes wrong here aborts the job.
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import sys
@@ -98,6 +99,10 @@ class WorkerServer:
         if kind == "call":
             self.faults.maybe_kill_self(header["m"])
             return getattr(self.objects[header["obj"]], header["m"])(*args, **kwargs)
+        if kind == "drop":
+            self.objects.pop(header["obj"]).close()
+            gc.collect()  # a model's modules refer to each other: free them (and their process groups) now
+            return None
         raise ValueError(f"unknown message kind {kind!r}")
 
     def _reply(self, call_id: int, result: Any, failure: RemoteFailure | None) -> None:

@@ -117,9 +117,11 @@ class PPOTrainer:
             self.reward_model = WorkerGroup(RewardModelRole, init_kwargs={"cfg": self.plain}, name="reward_model")
         self.dp_size = self.actor.layout.dp_size
         where = self.actor.describe()
-        log.info("worker groups ready in %.1f s: %s (actor rank 0: %s %s, %d torch thread(s), CPUs %s)",
+        log.info("worker groups ready in %.1f s: %s (actor rank 0: %s %s, %d torch thread(s), CPUs %s, "
+                 "torch.compile %s)",
                  time.perf_counter() - t, ", ".join(g.name for g in self.groups()), where["device"],
-                 where["dtype"], where["torch_threads"], where["cpu_affinity"])
+                 where["dtype"], where["torch_threads"], where["cpu_affinity"],
+                 "on" if where["torch_compile"] else "off")
 
     def groups(self) -> list[WorkerGroup]:
         return [g for g in (self.actor, self.reference, self.critic, self.reward_model) if g is not None]

@@ -86,6 +86,7 @@ class MegatronRole(Worker):
         """What this role runs on: layer spec (local or Transformer Engine), device, dtype, backend."""
         import os
 
+        import torch._dynamo
         import torch.distributed as dist
 
         e = self.engine
@@ -93,7 +94,10 @@ class MegatronRole(Worker):
                 "backend": dist.get_backend(), "tp": e.tp_size, "pp": e.pp_size, "dp": e.dp_size,
                 # vLLM's CPU worker turns torch.set_num_threads into a no-op once it is built, so this
                 # stays what OMP_NUM_THREADS gave (hpcrl run: 1 per rank, every rank its own process)
-                "torch_threads": torch.get_num_threads(), "cpu_affinity": sorted(os.sched_getaffinity(0))}
+                "torch_threads": torch.get_num_threads(), "cpu_affinity": sorted(os.sched_getaffinity(0)),
+                "torch_compile": not torch._dynamo.config.disable,  # off on CPU: hpcrl.engines.no_compile_on_cpu
+                # every group alive in this process (torch's registry): a layout's, not every layout's so far
+                "process_groups": len(dist.distributed_c10d._world.pg_map)}
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
     def peak_memory(self, reset: bool = True) -> dict[str, float]:

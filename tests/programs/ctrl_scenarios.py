@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -89,11 +90,35 @@ class ScenarioWorker(Worker):
     def fail_deliberately(self, message: str) -> None:
         raise ValueError(f"{message} from group rank {self.group_rank}")
 
+    def holders(self) -> dict[str, Any]:
+        return {"alive": Holder.holders_alive(), "closed": list(_holders_closed)}
+
     def gloo_sum(self) -> dict[str, Any]:
         x = torch.tensor([float(self.worker_rank)])
         dist.all_reduce(x)
         keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
         return {"sum": x.item(), "backend": dist.get_backend(), "env": {k: os.environ.get(k) for k in keys}}
+
+
+# weak references to every Holder this process built, and the names of those closed
+_holders: list[Any] = []
+_holders_closed: list[str] = []
+
+
+class Holder(Worker):
+    """Holds 8 MB; a dropped group must free it, not just close it."""
+
+    def __init__(self) -> None:
+        self.payload = torch.zeros(2 * 1024 * 1024)
+        self.cycle = self  # freed only by the garbage collector, like a model's modules
+        _holders.append(weakref.ref(self))
+
+    def close(self) -> None:
+        _holders_closed.append(self.group)
+
+    @staticmethod
+    def holders_alive() -> int:
+        return sum(r() is not None for r in _holders)
 
 
 class BrokenInit(Worker):
@@ -167,6 +192,19 @@ def main() -> None:
     # Colocated group: same processes, its own object
     b = WorkerGroup(ScenarioWorker, init_kwargs={"tag": "b"}, name="critic")
     out["colocated"] = b.whoami()
+
+    # Closing a group drops its objects on their ranks (close() first) and frees them; later calls
+    # are refused on the controller; the name can be used again
+    held = WorkerGroup(Holder, ranks=[1, 2], name="held")
+    out["holders_before_close"] = g.holders()
+    held.close()
+    out["holders_after_close"] = g.holders()
+    try:
+        held.process_info()
+        out["call_after_close"] = None
+    except RuntimeError as e:
+        out["call_after_close"] = str(e)
+    out["same_name_again"] = [w["group"] for w in WorkerGroup(Holder, ranks=[1], name="held").process_info()]
 
     # Futures: two groups on disjoint ranks overlap
     left = WorkerGroup(ScenarioWorker, ranks=[1, 2], init_kwargs={"tag": "left"}, name="left")

@@ -239,6 +239,7 @@ def reference_step_checks(workers: int, res: dict[str, Any], timed: Any) -> None
             "update_rel": rel_diff(delta(got, w0), delta(ref_w, w0)),
             "update_size": rel_diff(ref_w, w0),  # |w_ref - w0| / |w0|: how far the step moved
         }
+        actor.close()  # each group's model and process groups are freed before the next one
         timed(f"reference step {name}", t0)
 
     # on-policy (1 mini-batch, 1 epoch): the update without a separate old-log-prob pass (its own
@@ -265,6 +266,7 @@ def reference_step_checks(workers: int, res: dict[str, Any], timed: Any) -> None
         if mode == "current":
             gaps["in_update"] = m["logprob_gap_sum"] / m["logprob_gap_tokens"]
         weights[mode] = merged(actor.hf_weights())
+        actor.close()
     res["on_policy_skip"] = {
         "layout": f"{tp}x{pp}", **gaps,
         "max_abs_diff": max(float((weights["current"][k] - weights["recompute"][k]).abs().max()) for k in w0),
@@ -302,6 +304,7 @@ def reference_step_checks(workers: int, res: dict[str, Any], timed: Any) -> None
         "base_update_rel": rel_diff(delta(got, w0c), delta(ref["weights"], w0c), base),
         "vf_clipfrac": metrics.get("vf_clipfrac"),
     }
+    critic.close()
     timed(f"reference critic {tp}x{pp}", t0)
 
 
@@ -364,12 +367,14 @@ def main() -> None:
             res["per_sequence_vs_dense"] = {"max_abs": float(((lp - dlp).abs() * mask).max()),
                                             "dense_vs_hf": float(((dlp - ref).abs() * mask).max()),
                                             "spec": dense.describe()["spec"]}
+            dense.close()
             # HF -> Megatron (TP=2 PP=2) -> HF through the real model, bit for bit
             actor.export_hf(str(tmp / "tiny-rt"))
             a, b = load_safetensors_dir(TINY), load_safetensors_dir(str(tmp / "tiny-rt"))
             res["round_trip_tiny"] = {"same_keys": sorted(a) == sorted(b),
                                       "bit_exact": all(torch.equal(a[k], b[k]) for k in a if k in b),
                                       "files": sorted(p.name for p in (tmp / "tiny-rt").iterdir())}
+        actor.close()
         timed(f"logprob tiny {tp}x{pp}", t0)
 
     # 2. one update: TP=1 PP=1 (DP=4) vs TP=2 PP=2 (DP=1), same batch and loss
@@ -387,6 +392,8 @@ def main() -> None:
         metrics = actor.update_actor(arranged, num_minibatches=2)
         actor.export_hf(str(tmp / f"upd-{tp}x{pp}"))
         res["update"][f"{tp}x{pp}"] = metrics
+        if (tp, pp) != layouts[-1]:  # the last one also takes the non-finite steps
+            actor.close()
         timed(f"update tiny {tp}x{pp}", t0)
     # non-finite: NaN advantages make the loss and every gradient NaN; both steps are skipped on
     # every rank (at the largest layout) and the weights stay; then a finite update moves them
@@ -405,6 +412,7 @@ def main() -> None:
         "bad_change": max(float((after_bad[k] - before[k]).abs().max()) for k in before),
         "bad_finite": all(bool(torch.isfinite(v).all()) for v in after_bad.values()),
         "good_change": max(float((after_good[k] - after_bad[k]).abs().max()) for k in before)}
+    actor.close()
     timed("non-finite steps", t0)
     big = "{}x{}".format(*layouts[-1])
     w1, w2 = load_safetensors_dir(str(tmp / "upd-1x1")), load_safetensors_dir(str(tmp / f"upd-{big}"))
@@ -428,6 +436,7 @@ def main() -> None:
         means.append(float(vb["old_values"][rmask].mean()))
         losses.append(critic.update_critic(arrange_minibatches(vb, 1, critic.layout.dp_size, "token-mean"))["vf_loss"])
     res["critic"] = {"v0_max_abs": float(v0.abs().max()), "losses": losses, "value_means": means}
+    critic.close()
     timed("critic tiny", t0)
 
     # 4. reward model: a sequence-classification head read by the engine's value head, vs HF's score
@@ -444,6 +453,7 @@ def main() -> None:
     ref_scores = hf_sequence_scores(rm_path, rb)
     res["reward_model"] = {"layout": f"{tp}x{pp}", "max_abs": float((scores - ref_scores).abs().max()),
                            "spread": float(ref_scores.max() - ref_scores.min()), "n": int(scores.numel())}
+    rm.close()
     timed("reward model tiny", t0)
 
     # 5. SmolLM2-135M: log-probs vs HF (9 heads / 3 KV heads: TP can only be 1 or 3 on 4 workers -> 1)
@@ -464,6 +474,7 @@ def main() -> None:
             a, b = load_safetensors_dir(SMOLLM2), load_safetensors_dir(str(tmp / "smol-rt"))
             res["round_trip_smollm2"] = {"same_keys": sorted(a) == sorted(b),
                                          "bit_exact": all(torch.equal(a[k], b[k]) for k in a if k in b)}
+        actor.close()
         timed(f"logprob smollm2 {tp}x{pp}", t0)
 
     res["timings"]["total"] = round(time.time() - t_all, 1)

@@ -17,6 +17,8 @@ from functools import reduce
 import torch
 from torch.overrides import TorchFunctionMode
 
+from hpcrl.engines import no_compile_on_cpu
+
 _applied = False
 
 
@@ -72,6 +74,7 @@ def apply_cpu_compat() -> bool:
         return False
     if _applied:
         return True
+    no_compile_on_cpu()
     _patch_memory_buffer()
     _patch_rng()
     torch.cuda.current_device = lambda: 0  # an int, mapped to the CPU by _CudaToCpu

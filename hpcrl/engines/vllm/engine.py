@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from hpcrl.engines import no_compile_on_cpu
+
 VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -106,6 +108,7 @@ class RolloutEngine:
         # bytes below (vLLM's VLLM_CPU_KVCACHE_SPACE takes whole GiB only, and would override it).
         os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        no_compile_on_cpu()
         from vllm import LLM
 
         if not torch.cuda.is_available():
