@@ -367,26 +367,27 @@ def test_failures_are_ordered_cause_first() -> None:
 
 # ---------------------------------------------------------------- Slurm hetjob route
 # conftest.py gates `slurm` tests: skipped without a cluster, failed without one when CI=true
+def _sbatch_and_wait(args: list[str], log: Path, timeout_s: float, env: dict[str, str] | None = None) -> str:
+    """`sbatch --output=LOG ARGS` from the repo, waited for (cancelled after timeout_s); the job's log."""
+    job = subprocess.run(["sbatch", "--parsable", f"--output={log}", *args], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=30, check=True).stdout.strip().split(";")[0]
+    deadline = time.monotonic() + timeout_s
+    try:
+        while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True, timeout=30).stdout.strip():
+            if time.monotonic() > deadline:
+                pytest.fail(f"hetjob {job} did not finish in time")
+            time.sleep(0.5)
+    finally:
+        subprocess.run(["scancel", job], capture_output=True, timeout=30)  # no-op when already done
+    return "\n".join(p.read_text(errors="replace") for p in log.parent.glob(log.name.replace("%j", "*")))
+
+
 @pytest.mark.slurm
 @pytest.mark.usefixtures("slurm_cluster")
 def test_slurm_hetjob_one_world(tmp_path: Path) -> None:
     """sbatch/check_world.sh, as a user submits it: one world over both het groups."""
     out = tmp_path / "slurm.json"
-    log = tmp_path / "slurm-%j.out"
-    job = subprocess.run(["sbatch", "--parsable", f"--output={log}", "sbatch/check_world.sh", str(out)],
-                         cwd=REPO, capture_output=True, text=True, timeout=30, check=True).stdout.strip().split(";")[0]
-    deadline = time.monotonic() + 120
-    try:
-        while time.monotonic() < deadline:
-            q = subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True, timeout=30)
-            if not q.stdout.strip():
-                break
-            time.sleep(0.5)
-        else:
-            pytest.fail(f"hetjob {job} did not finish in time")
-    finally:
-        subprocess.run(["scancel", job], capture_output=True, timeout=30)  # no-op when already done
-    logs = "\n".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
+    logs = _sbatch_and_wait(["sbatch/check_world.sh", str(out)], tmp_path / "slurm-%j.out", 120)
     assert out.exists(), logs[-3000:]
     data = json.loads(out.read_text())
     ctrl, workers = data["controller"], data["workers"]
@@ -409,7 +410,7 @@ def test_slurm_world_starts_with_a_dirty_heap(tmp_path: Path) -> None:
     every trainer start of one CI run) slurmstepd logs `value not properly terminated` and the world
     never starts: MPICH's UCX address exchange writes PMI lines longer than the plugin reads.
     """
-    out, log = tmp_path / "world.json", tmp_path / "dirty-%j.out"
+    out = tmp_path / "world.json"
     srun = shlex.join(srun_het_command([sys.executable, str(REPO / "tests" / "programs" / "dirty_heap_world.py"),
                                         str(out)]))
     script = tmp_path / "dirty_heap.sh"
@@ -419,21 +420,10 @@ def test_slurm_world_starts_with_a_dirty_heap(tmp_path: Path) -> None:
                       "#SBATCH --partition=normal --nodes=2 --ntasks-per-node=2 --cpus-per-task=1 --mem=1G\n"
                       f"timeout 90 {srun}\n")
     env = srun_env({k: v for k, v in os.environ.items() if k != "MPIR_CVAR_CH4_NETMOD"})
-    job = subprocess.run(["sbatch", "--parsable", f"--output={log}", str(script)], cwd=REPO, env=env,
-                         capture_output=True, text=True, timeout=30, check=True).stdout.strip().split(";")[0]
-    deadline = time.monotonic() + 180
-    try:
-        while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True, timeout=30).stdout.strip():
-            if time.monotonic() > deadline:
-                pytest.fail(f"hetjob {job} did not finish in time")
-            time.sleep(0.5)
-    finally:
-        subprocess.run(["scancel", job], capture_output=True, timeout=30)
-    logs = "\n".join(p.read_text(errors="replace") for p in tmp_path.glob("dirty-*.out"))
+    logs = _sbatch_and_wait([str(script)], tmp_path / "dirty-%j.out", 180, env=env)
     assert "not properly terminated" not in logs and out.exists(), logs[-3000:]
     world = json.loads(out.read_text())
     assert world["size"] == 5 and len(set(world["nodes"])) == 3 and world["netmod"] == "ofi", world
-
 
 
 def test_a_world_that_cannot_start_ends_within_the_init_bound(tmp_path: Path) -> None:
