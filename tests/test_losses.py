@@ -151,6 +151,31 @@ def test_k3_is_bounded_like_verl() -> None:
     assert torch.isfinite(lp.grad).all()
 
 
+def test_minibatches_shuffle_prompts_with_their_samples_together() -> None:
+    """With a prompt index per sample, the shuffle permutes prompts: each prompt's samples stay
+    together in rollout order, in one mini-batch and one DP part (where the engine packs the
+    prompt once), still seeded and covering every sample once."""
+    from hpcrl.controller.batch import Batch
+    from hpcrl.workers.batching import arrange_minibatches, minibatch_rows
+
+    n, prompts, n_mb, dp = 4, 8, 2, 2
+    groups = [p for p in range(prompts) for _ in range(n)]
+    rows = minibatch_rows(len(groups), n_mb, shuffle_seed=3, groups=groups)
+    assert rows == minibatch_rows(len(groups), n_mb, shuffle_seed=3, groups=groups)
+    assert rows != minibatch_rows(len(groups), n_mb, shuffle_seed=4, groups=groups)
+    flat = sum(rows, [])
+    assert sorted(flat) == list(range(len(groups)))
+    assert [groups[i] for i in flat] != groups  # shuffled ...
+    for k in range(0, len(flat), n):  # ... by whole prompts, their samples in order
+        assert flat[k:k + n] == list(range(flat[k], flat[k] + n)) and flat[k] % n == 0
+    mask = torch.ones(len(groups), 3)
+    batch = Batch({"row": torch.arange(len(groups)), "prompt_index": torch.tensor(groups), "response_mask": mask})
+    out = arrange_minibatches(batch, n_mb, dp, "token-mean", shuffle_seed=3)
+    for shard in out["prompt_index"].chunk(dp):
+        for part in shard.chunk(n_mb):  # a rank's part of one mini-batch: whole prompts
+            assert all(int((part == g).sum()) in (0, n) for g in range(prompts)), part
+
+
 def test_shuffled_minibatches_are_seeded_and_weighted_per_minibatch() -> None:
     from hpcrl.controller.batch import Batch
     from hpcrl.workers.batching import arrange_minibatches, minibatch_rows

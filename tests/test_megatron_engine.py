@@ -62,6 +62,15 @@ def test_logprobs_of_response_tokens_only(checks: dict) -> None:
     assert c["max_abs_at_response"] < 1e-5 and c["max_abs_elsewhere"] == 0.0, c
 
 
+def test_prompt_shared_by_its_samples_gives_the_same_logprobs(checks: dict) -> None:
+    """Two answers per prompt, the prompt packed once (actor.share_prompt, TP=2 PP=2): the same
+    response log-probs as each sequence packed whole, and as HF. The update with shared prompts
+    is checked against the independent reference step (its batch has 2 answers per prompt)."""
+    c = checks["shared_prompt"]
+    assert c["max_abs"] < 1e-5, c
+    assert c["shared_vs_hf"] < 1e-4 and c["whole_vs_hf"] < 1e-4, c
+
+
 def test_packed_and_padded_logprobs_agree(checks: dict) -> None:
     assert checks["packed_vs_padded"]["max_abs"] < 1e-5
     assert checks["packed_vs_padded"]["padded_vs_hf"] < 1e-4
@@ -110,6 +119,10 @@ def test_rebuilt_layouts_leave_no_process_groups_behind(checks: dict) -> None:
     """By the last tiny layout this world built ~10 actors in 5 layouts; torch's registry holds the
     last layout's groups (17-21 on 4 ranks) and the world's, not ~17 more per earlier build."""
     assert 0 < checks["engine"]["process_groups"] <= 25, checks["engine"]
+    # ... and the groups it dropped are gone, not only unregistered: ~4 gloo threads per live
+    # group (81 measured; a reference to every dropped engine, through megatron's lru_cache'd
+    # RoPE module, kept more than 190)
+    assert 0 < checks["engine"]["gloo_threads"] <= 4 * 25, checks["engine"]
 
 
 @pytest.mark.gpu

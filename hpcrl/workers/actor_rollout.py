@@ -93,9 +93,9 @@ class ActorRolloutRole(MegatronRole):
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
     def enter_rollout(self, bucket_mb: float | None = None) -> dict[str, Any]:
-        """Training -> rollout phase. On GPU the order matters for peak memory: wake vLLM's weight
-        memory, push the actor's weights into it, move the trainer to host memory, and only then
-        give vLLM its KV cache back. On CPU only the push does anything."""
+        """Training -> rollout phase. The order matters for peak memory: wake vLLM's weight
+        memory, push the actor's weights into it, move the trainer to host memory (GPU), and only
+        then give vLLM its KV cache back."""
         self.rollout.wake_up(["weights"])
         stats = ActorRolloutRole.reshard_to_rollout(self, bucket_mb)
         stats["trainer_offloaded"] = self.engine.offload()
@@ -104,9 +104,11 @@ class ActorRolloutRole(MegatronRole):
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
     def enter_training(self) -> dict[str, bool]:
-        """Rollout -> training phase: vLLM releases the device (KV cache freed, weights to host),
-        the trainer comes back onto it. No-ops on CPU."""
-        return {"rollout_slept": self.rollout.sleep(), "trainer_onloaded": self.engine.onload()}
+        """Rollout -> training phase: vLLM releases its memory (KV cache freed, weights to host on
+        GPU, dropped on CPU: hpcrl.engines.vllm.cpu_sleep), the trainer comes back onto the GPU."""
+        slept = self.rollout.sleep()
+        return {"rollout_slept": slept, "trainer_onloaded": self.engine.onload(),
+                "rollout_released_gb": sum(self.rollout.released.values()) / 1e9}
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
     def naive_reshard(self) -> dict[str, Any]:

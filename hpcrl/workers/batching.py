@@ -36,32 +36,48 @@ def to_token_aligned(values: list[torch.Tensor], shape: tuple[int, int]) -> torc
     return out
 
 
-def minibatch_rows(b: int, num_minibatches: int, shuffle_seed: int | None = None) -> list[list[int]]:
+def minibatch_rows(b: int, num_minibatches: int, shuffle_seed: int | None = None,
+                   groups: list[int] | None = None) -> list[list[int]]:
     """Rows of the input batch in each mini-batch: consecutive runs of B / num_minibatches rows,
-    of a seeded permutation of the rows when shuffle_seed is given."""
-    order = (torch.randperm(b, generator=torch.Generator().manual_seed(shuffle_seed)).tolist()
-             if shuffle_seed is not None else list(range(b)))
+    of a seeded permutation when shuffle_seed is given. With groups (a group id per row: the
+    prompt of each sample), the permutation is of the groups, each group's rows kept together in
+    their order: the samples of one prompt then sit in one mini-batch (when its size is a multiple
+    of the group size, as verl counts mini-batches in prompts), and on one rank, where the engine
+    packs their prompt once (actor.share_prompt)."""
+    if shuffle_seed is None:
+        order = list(range(b))
+    elif groups is None:
+        order = torch.randperm(b, generator=torch.Generator().manual_seed(shuffle_seed)).tolist()
+    else:
+        members: dict[int, list[int]] = {}
+        for i, g in enumerate(groups):
+            members.setdefault(g, []).append(i)
+        ids = list(members)  # by first appearance
+        perm = torch.randperm(len(ids), generator=torch.Generator().manual_seed(shuffle_seed)).tolist()
+        order = [i for k in perm for i in members[ids[k]]]
     m = b // num_minibatches
     return [order[k * m:(k + 1) * m] for k in range(num_minibatches)]
 
 
 def arrange_minibatches(batch: Batch, num_minibatches: int, dp_size: int, loss_agg_mode: str,
-                        mask_key: str = "response_mask", shuffle_seed: int | None = None) -> Batch:
+                        mask_key: str = "response_mask", shuffle_seed: int | None = None,
+                        group_key: str = "prompt_index") -> Batch:
     """Reorder a step's batch so that the DP split gives every rank an equal part of every
     mini-batch, and attach per-token loss weights normalised over each whole mini-batch.
 
     Mini-batch k is `minibatch_rows(...)[k]` (rows [k*M, (k+1)*M) of the input, M = B /
-    num_minibatches, or of its seeded shuffle). After the reordering, DP shard d (contiguous, as
-    DP dispatch cuts it) holds, in order, part d of mini-batch 0, part d of mini-batch 1, ...; a
-    rank cuts its shard into num_minibatches contiguous chunks. Because the weights are global,
-    the update is the same for any DP size.
+    num_minibatches, or of its seeded shuffle: by prompt when the batch has `group_key`). After
+    the reordering, DP shard d (contiguous, as DP dispatch cuts it) holds, in order, part d of
+    mini-batch 0, part d of mini-batch 1, ...; a rank cuts its shard into num_minibatches
+    contiguous chunks. Because the weights are global, the update is the same for any DP size.
     """
     b = len(batch)
     if b % num_minibatches or (b // num_minibatches) % dp_size:
         raise ValueError(f"{b} samples do not split into {num_minibatches} mini-batches of equal parts "
                          f"over {dp_size} data-parallel ranks")
     if shuffle_seed is not None:
-        batch = batch.select([i for rows in minibatch_rows(b, num_minibatches, shuffle_seed) for i in rows])
+        groups = batch[group_key].tolist() if group_key in batch.keys() else None
+        batch = batch.select([i for rows in minibatch_rows(b, num_minibatches, shuffle_seed, groups) for i in rows])
     m = b // num_minibatches
     part = m // dp_size
     weights = torch.zeros(batch[mask_key].shape, dtype=torch.float32)

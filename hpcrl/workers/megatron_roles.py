@@ -43,6 +43,20 @@ def _use_layout(tp: int, pp: int, seed: int) -> None:
     _layout_in_use = (tp, pp)
 
 
+def _gloo_threads() -> int:
+    """Threads of this process that gloo runs for its process groups (by thread name)."""
+    import os
+
+    n = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                n += f.read().startswith(("pt_gloo", "gloo"))
+        except OSError:  # the thread ended meanwhile
+            pass
+    return n
+
+
 class MegatronRole(Worker):
     """One rank of a Megatron role. `role` is actor, reference or critic; `cfg` the resolved config
     (a plain dict, as it travels from the controller)."""
@@ -58,7 +72,8 @@ class MegatronRole(Worker):
         src = section if trains else cfg["actor"]
         options = EngineOptions(dtype=resolve_dtype(cfg["model"]["dtype"]), attention=cfg["model"]["local_attention"],
                                 micro_batch_tokens=src["micro_batch_tokens"], packing=src["packing"],
-                                micro_batch_size=src["micro_batch_size"])
+                                micro_batch_size=src["micro_batch_size"],
+                                share_prompt=cfg["actor"]["share_prompt"])
         optim = None
         if trains:
             o = section["optim"]
@@ -97,7 +112,10 @@ class MegatronRole(Worker):
                 "torch_threads": torch.get_num_threads(), "cpu_affinity": sorted(os.sched_getaffinity(0)),
                 "torch_compile": not torch._dynamo.config.disable,  # off on CPU: hpcrl.engines.no_compile_on_cpu
                 # every group alive in this process (torch's registry): a layout's, not every layout's so far
-                "process_groups": len(dist.distributed_c10d._world.pg_map)}
+                "process_groups": len(dist.distributed_c10d._world.pg_map),
+                # threads of live gloo groups (a few each): a group dropped from the registry but
+                # still referenced keeps them, and they wake every 10 ms
+                "gloo_threads": _gloo_threads()}
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
     def peak_memory(self, reset: bool = True) -> dict[str, float]:
@@ -108,10 +126,13 @@ class MegatronRole(Worker):
         """The T of the log-probs' softmax(logits / T) (set from rollout.temperature; tests)."""
         self.temperature = float(temperature)
 
-    def set_packing(self, packing: bool, micro_batch_size: int = 4) -> None:
-        """Switch between packed micro-batches and the padded baseline (benchmarks, tests)."""
+    def set_packing(self, packing: bool, micro_batch_size: int = 4, share_prompt: bool | None = None) -> None:
+        """Switch between packed micro-batches and the padded baseline, and prompt sharing on or
+        off (benchmarks, tests)."""
         self.engine.options.packing = packing
         self.engine.options.micro_batch_size = micro_batch_size
+        if share_prompt is not None:
+            self.engine.options.share_prompt = share_prompt
 
     # forward -----------------------------------------------------------------------------------
     @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP)

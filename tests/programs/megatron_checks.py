@@ -46,8 +46,10 @@ def make_cfg(model: str, tp: int, pp: int, **actor: Any) -> dict[str, Any]:
     return OmegaConf.to_container(cfg, resolve=True)
 
 
-def text_batch(model: str, n: int):
-    """Chat-formatted arithmetic prompts with answers: real text, right-padded."""
+def text_batch(model: str, n: int, samples: int = 1):
+    """Chat-formatted arithmetic prompts with answers: real text, right-padded. samples > 1: each
+    prompt that many times in a row (as a rollout's n per prompt) with different answers (its own,
+    then the next prompts'), so the engine packs the prompt once for them (actor.share_prompt)."""
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
 
@@ -56,21 +58,23 @@ def text_batch(model: str, n: int):
     tok = AutoTokenizer.from_pretrained(model)
     rows = pq.read_table(REPO / "data" / "arith" / "train.parquet").slice(0, n).to_pylist()
     seqs, prompt_lens = [], []
-    for r in rows:
+    for i, r in enumerate(rows):
         prompt = tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True)
         p = tok(prompt)["input_ids"]
-        a = tok(r["extra_info"]["answer"])["input_ids"]
-        seqs.append(p + a)
-        prompt_lens.append(len(p))
+        for k in range(samples):
+            a = tok(rows[(i + k) % n]["extra_info"]["answer"])["input_ids"]
+            seqs.append(p + a)
+            prompt_lens.append(len(p))
     s = max(map(len, seqs))
-    ids = torch.zeros(n, s, dtype=torch.long)
-    attn = torch.zeros(n, s, dtype=torch.long)
-    resp = torch.zeros(n, s)
+    ids = torch.zeros(len(seqs), s, dtype=torch.long)
+    attn = torch.zeros(len(seqs), s, dtype=torch.long)
+    resp = torch.zeros(len(seqs), s)
     for i, (q, pl) in enumerate(zip(seqs, prompt_lens)):
         ids[i, :len(q)] = torch.tensor(q)
         attn[i, :len(q)] = 1
         resp[i, pl:len(q)] = 1
-    return Batch({"input_ids": ids, "attention_mask": attn, "response_mask": resp})
+    return Batch({"input_ids": ids, "attention_mask": attn, "response_mask": resp,
+                  "prompt_index": torch.arange(n).repeat_interleave(samples)})
 
 
 def hf_logprobs(model: str, batch) -> torch.Tensor:
@@ -168,7 +172,7 @@ def reference_batch(n: int):
     from reference_ppo import logprobs
     from transformers import AutoModelForCausalLM
 
-    b = text_batch(TINY, n)
+    b = text_batch(TINY, n // 2, samples=2)  # 2 answers per prompt: the prompt is packed once
     hf = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
     lp = logprobs(hf, {k: b[k] for k in b.keys()}, REF_T)
     g = torch.Generator().manual_seed(7)
@@ -195,7 +199,8 @@ def reference_step_checks(workers: int, res: dict[str, Any], timed: Any) -> None
 
     batch = reference_batch(8)
     plain = {k: batch[k] for k in batch.keys()}
-    rows = minibatch_rows(len(batch), REF_MINI, REF_SEED) * REF_EPOCHS
+    # mini-batches of whole prompts, as the trainer cuts them (each prompt then packed once)
+    rows = minibatch_rows(len(batch), REF_MINI, REF_SEED, batch["prompt_index"].tolist()) * REF_EPOCHS
     w0 = load_safetensors_dir(TINY)
     res["reference_step"] = {}
     for case in REFERENCE_CASES:
@@ -257,7 +262,7 @@ def reference_step_checks(workers: int, res: dict[str, Any], timed: Any) -> None
         b = copy.copy(batch)
         b.tensors.pop("old_logprob")
         if mode == "recompute":
-            b["old_logprob"] = actor.compute_logprob(b)
+            b["old_logprob"] = actor.compute_logprob(b, response_only=True)  # as the trainer asks
             mask = b["response_mask"].bool()
             gaps["separate_pass"] = float((b["old_logprob"] - fake_rollout).abs()[mask].mean())
         else:
@@ -334,7 +339,7 @@ def main() -> None:
         return
 
     # 1. log-probs vs HF, every layout, tiny model; packed vs padded at TP=2 PP=2
-    batch = text_batch(TINY, 8)
+    batch = text_batch(TINY, 4, samples=2)
     ref = hf_logprobs(TINY, batch)
     mask = batch["attention_mask"].clone()
     mask[:, 0] = 0
@@ -359,6 +364,15 @@ def main() -> None:
             res["response_only"] = {"max_abs_at_response": float((resp - lp).abs()[rmask].max()),
                                     "max_abs_elsewhere": float(resp.abs()[~rmask].max()),
                                     "response_tokens": int(rmask.sum())}
+            # response-only log-probs pack each prompt once for its 2 answers (the default):
+            # against the same call with every sequence whole, and against HF
+            actor.set_packing(True, share_prompt=False)
+            whole = actor.compute_logprob(batch, response_only=True)
+            actor.set_packing(True, share_prompt=True)
+            res["shared_prompt"] = {"max_abs": float((resp - whole).abs()[rmask].max()),
+                                    "shared_vs_hf": float((resp - ref).abs()[rmask].max()),
+                                    "whole_vs_hf": float((whole - ref).abs()[rmask].max()),
+                                    "prompts": len(batch) // 2, "sequences": len(batch)}
             # per-sequence attention (the default) against megatron's dense block-diagonal mask
             dense_cfg = make_cfg(TINY, tp, pp)
             dense_cfg["model"]["local_attention"] = "dense"

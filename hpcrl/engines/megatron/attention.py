@@ -7,8 +7,9 @@ the row length (the micro-batch token budget), although a sequence only ever att
 `SequenceAttention` runs PyTorch's scaled_dot_product_attention (causal, grouped-query) on each
 sequence of a row separately, so cost and memory grow with the sum of the squared sequence
 lengths. The packing (which sequence sits where) arrives through the `attention_mask` argument
-as a [B, K, 2] tensor of (offset, length) per row (`segments_of`); positions after a row's last
-sequence (the tail padding) get zeros. Equal to the dense-mask result within float rounding
+as a [B, K, 4] tensor of (offset, length, prefix offset, prefix length) per row (`segments_of`):
+a branch of a shared prompt (hpcrl.engines.megatron.packing) attends to its prefix as well;
+positions after a row's last sequence (the tail padding) get zeros. Equal to the dense-mask result within float rounding
 (tests/test_megatron_engine.py).
 """
 
@@ -21,17 +22,21 @@ import torch
 import torch.nn.functional as F
 
 
-def segments_of(placement: list[tuple[int, int, int, int]], rows: int) -> torch.Tensor:
-    """[rows, K, 2] (offset, length) of every sequence of each row, zero-length entries as filler;
-    from a micro-batch's placement (sequence index, row, offset, length)."""
-    per_row: list[list[tuple[int, int]]] = [[] for _ in range(rows)]
-    for _, r, offset, n in placement:
-        per_row[r].append((offset, n))
+def segments_of(placement: list, rows: int) -> torch.Tensor:
+    """[rows, K, 4] (offset, length, prefix offset, prefix length) of every segment of each row,
+    zero-length entries as filler; from a micro-batch's placement (hpcrl.engines.megatron.packing).
+    A branch of a shared prefix also attends to the prefix; a plain sequence and a prefix have
+    prefix length 0."""
+    per_row: list[set[tuple[int, int, int, int]]] = [set() for _ in range(rows)]
+    for p in placement:
+        per_row[p.row].add((p.offset, p.length, p.prefix if p.start else 0, p.start))
+        if p.start:
+            per_row[p.row].add((p.prefix, p.start, 0, 0))
     k = max((len(x) for x in per_row), default=0)
-    out = torch.zeros(rows, max(k, 1), 2, dtype=torch.long)
+    out = torch.zeros(rows, max(k, 1), 4, dtype=torch.long)
     for r, segs in enumerate(per_row):
-        for j, (offset, n) in enumerate(sorted(segs)):
-            out[r, j, 0], out[r, j, 1] = offset, n
+        for j, seg in enumerate(sorted(segs)):
+            out[r, j] = torch.tensor(seg)
     return out
 
 
@@ -59,19 +64,27 @@ class SequenceAttention(torch.nn.Module):
                 attention_mask: torch.Tensor, attn_mask_type: Any = None, attention_bias: Any = None,
                 packed_seq_params: Any = None) -> torch.Tensor:
         """query [T, B, heads, d], key / value [T, B, groups, d], attention_mask the segments
-        [B, K, 2] -> [T, B, heads * d]."""
+        [B, K, 4] -> [T, B, heads * d]."""
         t, b = query.shape[:2]
         rows = []
         for r, segs in enumerate(attention_mask.tolist()):
             pieces, end = [], 0
-            for offset, n in segs:
+            for offset, n, prefix, f in segs:
                 if n == 0:
                     continue
                 assert offset == end, "sequences of a row must sit back to back from offset 0"
                 # [L, heads, d] -> [1, heads, L, d]
                 q, k, v = (x[offset:offset + n, r].transpose(0, 1)[None] for x in (query, key, value))
-                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
-                                                   enable_gqa=self.heads != self.groups)
+                if f:  # a branch: the shared prefix, then itself causally
+                    k, v = (torch.cat([x[prefix:prefix + f, r].transpose(0, 1)[None], y], dim=2)
+                            for x, y in ((key, k), (value, v)))
+                    allowed = torch.ones(n, f + n, dtype=torch.bool, device=q.device)
+                    allowed[:, f:] = allowed[:, f:].tril()
+                    o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale,
+                                                       enable_gqa=self.heads != self.groups)
+                else:
+                    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale,
+                                                       enable_gqa=self.heads != self.groups)
                 pieces.append(o[0].transpose(0, 1))
                 end = offset + n
             if end < t:

@@ -22,9 +22,13 @@ from hpcrl.engines.megatron.cpu_compat import apply_cpu_compat
 from hpcrl.engines.megatron.model import ModelArch, build_gpt_model, read_arch
 from hpcrl.engines.megatron.packing import (
     PackedMicroBatch,
+    Unit,
     pack,
     plan_micro_batches,
     plan_padded_micro_batches,
+    shared_prefix_units,
+    shares_prefixes,
+    unit_length,
     unpack_token_values,
 )
 
@@ -119,6 +123,10 @@ class EngineOptions:
     use_te: bool | None = None
     # local spec: per_sequence attention (hpcrl.engines.megatron.attention) or the dense block mask
     attention: str = "per_sequence"
+    # Sequences that begin with the same tokens before their first loss / needed position (the
+    # samples of one prompt) are packed with that prefix once (hpcrl.engines.megatron.packing).
+    # Local spec only: Transformer Engine's packed attention has no prefix-sharing mask.
+    share_prompt: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -129,8 +137,9 @@ def thd_params(mb: PackedMicroBatch, device: Any):
     from megatron.core.packed_seq_params import PackedSeqParams
 
     bounds = [0]
-    for _, _, offset, n in mb.placement:
-        bounds.append(offset + n)
+    for p in mb.placement:
+        assert not p.start, "Transformer Engine's packed attention cannot share a prefix"
+        bounds.append(p.offset + p.length)
     if bounds[-1] < mb.tokens.shape[1]:
         bounds.append(mb.tokens.shape[1])
     cu = torch.tensor(bounds, dtype=torch.int32, device=device)
@@ -169,6 +178,9 @@ class MegatronEngine:
         # positions [B, T] (label-aligned) whose logits the running micro-batch needs, or None for all
         self._positions: torch.Tensor | None = None
         self._select_output_positions()
+        # "positions": each token's position [B, T] while a micro-batch with shared prefixes runs
+        self._rope: dict[str, torch.Tensor | None] = {"positions": None}
+        self._positions_drive_rope()
         self.optimizer: torch.optim.Optimizer | None = None
         self.optim = optim
         self.step_count = 0
@@ -229,6 +241,31 @@ class MegatronEngine:
             return project(hidden_states, *args, **kwargs)
 
         layer.forward = forward
+
+    def _positions_drive_rope(self) -> None:
+        """RoPE at each token's own position (`self._rope["positions"]`) instead of its place in the
+        packed row. megatron rotates by row place, which is exact for sequences laid out one after
+        another (RoPE sees only relative positions), but not for the branches of a shared prefix,
+        which follow each other in the row while each continues the prefix."""
+        rope = getattr(self.model, "rotary_pos_emb", None)
+        if rope is None or type(rope).__name__ != "RotaryEmbedding":
+            if self.options.share_prompt and self.spec == "local":
+                self.options.share_prompt = False  # another position embedding: no sharing
+            return
+        by_place = rope.forward
+        # The wrapper must not refer to the engine: megatron's RotaryEmbedding.forward is an
+        # lru_cache over its module, which would keep the engine, its model and process groups
+        # (each with gloo threads) alive after the engine is dropped.
+        state = self._rope
+
+        def forward(max_seq_len: int, *args: Any, **kwargs: Any) -> torch.Tensor:
+            if state["positions"] is None:
+                return by_place(max_seq_len, *args, **kwargs)
+            pos = state["positions"].t()  # [T, B]
+            emb = by_place(int(pos.max()) + 1, *args, **kwargs)  # [S, 1, 1, d]
+            return emb[:, 0, 0][pos.to(emb.device)].unsqueeze(2)  # [T, B, 1, d]
+
+        rope.forward = forward
 
     def _spread(self, values: torch.Tensor, mb: PackedMicroBatch) -> torch.Tensor:
         """Per-position values of the selected positions ([1, n], see `_select_output_positions`)
@@ -340,15 +377,16 @@ class MegatronEngine:
                        ) -> list[PackedMicroBatch]:
         lengths = [int(s.numel()) for s in seqs]
         if self.options.packing:
-            groups = plan_micro_batches(lengths, self.options.micro_batch_tokens)
-            rows_of = [[g] for g in groups]  # one packed row per micro-batch
+            units = self._units(seqs, token_fields)
+            groups = plan_micro_batches([unit_length(u, lengths) for u in units], self.options.micro_batch_tokens)
+            rows_of = [[[units[u] for u in g]] for g in groups]  # one packed row per micro-batch
         else:
             groups = plan_padded_micro_batches(len(seqs), self.options.micro_batch_size)
             # a short last micro-batch gets empty rows: every micro-batch must have one shape
             rows_of = [[[i] for i in g] + [[]] * (self.options.micro_batch_size - len(g)) for g in groups]
 
-        def longest_row(rows: list[list[int]]) -> int:
-            return max(sum(lengths[i] for i in row) for row in rows)
+        def longest_row(rows: list[list[Unit]]) -> int:
+            return max(sum(unit_length(u, lengths) for u in row) for row in rows)
 
         # pipeline stages exchange fixed-size activations: with PP every micro-batch has one shape;
         # without PP each is only as long as its longest row
@@ -356,6 +394,19 @@ class MegatronEngine:
         dense = self.model.hpcrl_attention == "dense"
         return [pack(seqs, rows, common if self.pp_size > 1 else longest_row(rows), token_fields, dense_mask=dense)
                 for rows in rows_of]
+
+    def _units(self, seqs: list[torch.Tensor], token_fields: dict[str, list[torch.Tensor]] | None) -> list[Unit]:
+        """What the packed rows hold: the sequences, with the samples of one prompt sharing it
+        when only later positions carry a loss or a requested output (`share_prompt`)."""
+        fields = token_fields or {}
+        needed = fields.get("loss_weight", fields.get("positions"))
+        if not self.options.share_prompt or self.spec != "local" or needed is None:
+            return list(range(len(seqs)))
+        first = []
+        for v in needed:
+            nz = torch.nonzero(v).flatten()
+            first.append(int(nz[0]) if nz.numel() else 0)
+        return shared_prefix_units(seqs, first, self.options.micro_batch_tokens)
 
     def _run(self, mbs: list[PackedMicroBatch], loss_fn: Callable, forward_only: bool,
              positions: Callable[[PackedMicroBatch], torch.Tensor | None] | None = None) -> list[Any]:
@@ -371,6 +422,7 @@ class MegatronEngine:
             mb = next(it)
             # read by the output layer of this micro-batch's forward and by its loss function
             self._positions = positions(mb) if positions is not None else None
+            self._rope["positions"] = mb.position_ids if shares_prefixes(mb) else None
             tokens, positions_ids = mb.tokens.to(device), mb.position_ids.to(device)
             if not te:  # local spec: the sequences' segments (or the dense block mask) carry the packing
                 mask = (mb.attention_mask if mb.attention_mask is not None
@@ -530,6 +582,13 @@ class MegatronEngine:
         else:
             log.warning("rank %d: optimizer step %d skipped, gradient norm %s (%d in a row)",
                         torch.distributed.get_rank(), self.step_count + 1, grad_norm, self.nonfinite_in_a_row)
+        # the next step starts from none: without masters the gradients would otherwise stay
+        # allocated (a model's size) through the rollout that follows the update
+        for p in self.model.parameters():
+            p.grad = None
+        if self.master is not None:
+            for m in self.master:
+                m.grad = None  # an alias of main_grad, which stays (zeroed by the next step)
         return {**self._sum_metrics(store), "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"],
                 "nonfinite_skipped": float(not finite), "nonfinite_in_a_row": float(self.nonfinite_in_a_row)}
 

@@ -127,11 +127,13 @@ class RolloutEngine:
         if not torch.cuda.is_available():
             kwargs["kv_cache_memory_bytes"] = int(cpu_kv_cache_gib * (1 << 30))
         # GPU: sleep mode lets the trainer and the engine take turns with the device memory;
-        # vLLM has no sleep mode on CPU.
+        # vLLM has no sleep mode on CPU, where hpcrl.engines.vllm.cpu_sleep does its part.
         if torch.cuda.is_available():
             kwargs["enable_sleep_mode"] = True
         kwargs.update(engine_kwargs or {})
         self.sleep_mode = bool(kwargs.get("enable_sleep_mode", False))
+        self.cpu_sleep = not torch.cuda.is_available()
+        self.released: dict[str, int] = {}  # bytes the last CPU sleep freed, by kind
         self.model_path = model_path
         self.tp_size = tensor_parallel
         self.tp_rank = rank % tensor_parallel
@@ -192,20 +194,32 @@ class RolloutEngine:
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
     def sleep(self) -> bool:
-        """Free the KV cache and move the weights to host memory while the trainer runs.
-        False (nothing done) where sleep mode is off, e.g. on CPU."""
-        if not self.sleep_mode:
-            return False
-        self.llm.sleep(level=1)
-        return True
+        """Free the KV cache and move the weights to host memory while the trainer runs (GPU); on
+        CPU free both (the next `load_weights` rewrites every weight: hpcrl.engines.vllm.cpu_sleep).
+        False where nothing was done (sleep mode turned off through engine_kwargs on GPU)."""
+        if self.sleep_mode:
+            self.llm.sleep(level=1)
+            return True
+        if self.cpu_sleep:
+            from hpcrl.engines.vllm.cpu_sleep import release
+
+            self.released = self.llm.collective_rpc(release)[0]
+            return True
+        return False
 
     def wake_up(self, tags: list[str] | None = None) -> bool:
         """Bring back what `sleep` released: tags ["weights"] first (to push new ones), then
-        ["kv_cache"] once the trainer has left the device; None wakes both."""
-        if not self.sleep_mode:
-            return False
-        self.llm.wake_up(tags=tags)
-        return True
+        ["kv_cache"] once the trainer has left the device; None wakes both. On CPU the weights
+        come back as memory only: a `load_weights` must follow before generating."""
+        if self.sleep_mode:
+            self.llm.wake_up(tags=tags)
+            return True
+        if self.cpu_sleep:
+            from hpcrl.engines.vllm.cpu_sleep import wake
+
+            self.llm.collective_rpc(wake, args=(tags,))
+            return True
+        return False
 
     def close(self) -> None:
         """Shut the engine down so that another engine (another model or rollout TP) can be built
