@@ -111,6 +111,20 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 130
 
 
+def cmd_plot(args: argparse.Namespace) -> int:
+    """PNGs of a run's metrics (hpcrl.report.plots)."""
+    from hpcrl.report.plots import NoMetricsError, plot_run
+
+    try:
+        paths = plot_run(args.run_dir, args.out)
+    except NoMetricsError as e:
+        print(f"hpcrl plot: {e}", file=sys.stderr)
+        return 1
+    for path in paths:
+        print(path)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hpcrl", description="Slurm-first reinforcement learning for LLMs (PPO, GRPO and relatives).")
@@ -129,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run a config on this machine (controller + workers under mpiexec)")
     _add_config_args(p)
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("plot", help="PNGs of a run's metrics: rewards, lengths, KL/entropy, time per phase, memory")
+    p.add_argument("run_dir", help="the run directory (trainer.run_dir): reads metrics.jsonl and validation.jsonl")
+    p.add_argument("--out", help="where the PNGs go (default RUN_DIR/plots)")
+    p.set_defaults(func=cmd_plot)
 
     from hpcrl.cli_ckpt import add_commands as add_ckpt_commands
     from hpcrl.cli_slurm import add_commands as add_slurm_commands

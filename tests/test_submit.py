@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 import threading
 import time
-import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -95,13 +97,17 @@ def env_registry(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def jobs(slurm_cluster: None, tmp_path_factory: pytest.TempPathFactory,
-         env_registry: dict[str, str]) -> dict[str, object]:
+         env_registry: dict[str, str]) -> Iterator[dict[str, object]]:
     """Submit A (hpcrl submit, dangerous name) and B (sbatch ppo_70b.sh, tiny), wait for both."""
     base = tmp_path_factory.mktemp("submit") / "dir with space"
     base.mkdir()
-    marker = base.parent / f"pwned-{uuid.uuid4().hex[:8]}"
-    # every command the name could run creates a file that exists nowhere yet (a unique name)
+    # every command the name could run creates a file that exists nowhere yet (a unique name), in a
+    # folder with a short path: the name must stay under safe_job_name's 200 characters whatever the
+    # depth of pytest's temporary folder (at /tmp/pytest-of-root/pytest-101 it reached 201 and was cut)
+    marker_dir = Path(tempfile.mkdtemp(prefix="hpcrl-pw-", dir="/tmp"))
+    marker = marker_dir / "pwned"
     name = f'$(touch {marker}1) "q" s p\'x`touch {marker}2`;y $(touch {marker}3)'
+    assert len(name) < 200, name
     t0 = time.monotonic()
     a = run([HPCRL, "submit", "--nodes", "2", "--json", "configs/grpo_tiny.yaml", "trainer.total_steps=3",
              "trainer.workers_per_node=2", "trainer.val_every=0", f"trainer.experiment={name}",
@@ -123,8 +129,9 @@ def jobs(slurm_cluster: None, tmp_path_factory: pytest.TempPathFactory,
     finally:
         run(["scancel", sub_a["job_id"], job_b], timeout=60)  # no-op once they are done
     print(f"job A {sub_a['job_id']} done after {t_a:.0f} s, job B {job_b} after {time.monotonic() - t0:.0f} s")
-    return {"a": sub_a, "name": name, "marker": marker, "base": base,
-            "b": job_b, "ppo_dir": ppo_dir, "ppo_log": Path(str(ppo_log).replace("%j", job_b))}
+    yield {"a": sub_a, "name": name, "marker": marker, "base": base,
+           "b": job_b, "ppo_dir": ppo_dir, "ppo_log": Path(str(ppo_log).replace("%j", job_b))}
+    shutil.rmtree(marker_dir, ignore_errors=True)
 
 
 # ---------------------------------------------------------------- on the local cluster

@@ -99,3 +99,28 @@ def test_bf16_runs_complete_with_finite_changed_weights(bf16_run: tuple[Path, li
     assert all(torch.isfinite(v.float()).all() for v in new.values())
     changed = sum(int((new[k].float() != old[k].to(new[k].dtype).float()).sum()) for k in old)
     assert changed > 0.5 * sum(v.numel() for v in old.values())  # bf16 weights moved almost everywhere
+
+
+def test_plot_and_progress_lines(ppo: tuple[Path, list[dict]], tmp_path: Path) -> None:
+    """`hpcrl plot` draws the PPO run (rewards, lengths, KL, time per phase, memory) into PNGs; each
+    step's log line carries an ETA until the last; a directory without steps is refused by name."""
+    from matplotlib import image
+
+    from hpcrl.trainer.metrics import duration, remaining_s
+
+    run_dir, _ = ppo
+    r = run([HPCRL, "plot", str(run_dir), "--out", str(tmp_path / "plots")])
+    assert r.returncode == 0, r.stderr
+    paths = [Path(p) for p in r.stdout.split()]
+    assert [p.name for p in paths] == ["rewards.png", "lengths.png", "kl_entropy.png", "time.png", "memory.png"]
+    for p in paths:
+        pixels = image.imread(p)  # a PNG matplotlib reads back, 1000 x 450, not one flat colour
+        assert pixels.shape[:2] == (450, 1000) and pixels.std() > 0.05, p
+    lines = [ln for ln in (run_dir / "logs" / "controller.log").read_text().splitlines() if "step " in ln]
+    steps = [ln for ln in lines if f"/{TRAIN_STEPS} |" in ln]
+    assert len(steps) == TRAIN_STEPS and all(" | ETA " in ln for ln in steps[:-1]) and "ETA" not in steps[-1]
+    # the pace is that of the steps after the first; 5 steps left at 12.5 s each
+    assert remaining_s(0.0, [30.0, 40.0, 55.0], left=5) == 62.5 and remaining_s(10.0, [30.0], left=2) == 40.0
+    assert [duration(s) for s in (4, 725, 11220, 187200)] == ["4 s", "12m05s", "3h07m", "2d04h"]
+    empty = run([HPCRL, "plot", str(tmp_path)])
+    assert empty.returncode == 1 and "metrics.jsonl: no step records" in empty.stderr, empty.stderr

@@ -300,7 +300,7 @@ def _stream(cmd: list[str], log_path: str, prefix: str, env: dict, timeout: floa
             if prefix == "trl" and line.startswith("[trl]"):
                 print("  " + line.rstrip(), flush=True)
             elif prefix == "hpcrl" and STEP_LINE.search(line):
-                print(f"  [{prefix}] " + line.rstrip()[-160:], flush=True)
+                print(f"  [{prefix}] " + line.rstrip()[:240], flush=True)
             if timeout and time.time() - t > timeout:
                 proc.kill()
                 break

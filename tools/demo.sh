@@ -34,3 +34,5 @@ print(f"[demo] metrics   {run / 'metrics.jsonl'} (one JSON line per step), Tenso
 print(f"[demo] logs      {run / 'logs' / 'controller.log'}")
 print(f"[demo] weights   {run / 'checkpoints'} (export: hpcrl ckpt export-hf {run} --out DIR)")
 PY
+echo "[demo] plots     (hpcrl plot $RUN_DIR)"
+.venv/bin/hpcrl plot "$RUN_DIR" | sed 's/^/  /'

@@ -207,7 +207,7 @@ def nonfinite_limit_reached(cfg: DictConfig, step_metrics: dict[str, float]) -> 
 
 def train(cfg: DictConfig) -> int:
     """Build the groups, resume if there is something to resume, run the remaining steps."""
-    from hpcrl.trainer.metrics import MetricsWriter, progress_line
+    from hpcrl.trainer.metrics import MetricsWriter, progress_line, remaining_s
     from hpcrl.trainer.ppo import PPOTrainer
     from hpcrl.trainer.preemption import StopWatch, requeue_self, under_slurm
 
@@ -222,6 +222,7 @@ def train(cfg: DictConfig) -> int:
     save_every = int(cfg.checkpoint.save_every)
     last_step_s = 0.0
     stopped = None
+    started, ends = 0.0, []  # when this process's first step began and each step was logged (the ETA)
 
     def save_failed() -> int:
         log.error("stopping after step %d of %d: the checkpoint of step %d could not be saved (the error is above); "
@@ -237,6 +238,7 @@ def train(cfg: DictConfig) -> int:
             break
         step = trainer.step + 1
         t = time.perf_counter()
+        started = started or t
         m = trainer.train_step(step)
         trainer.step = step
         if not ckpt.finish_pending() and ckpt.stop_on_error:
@@ -244,7 +246,8 @@ def train(cfg: DictConfig) -> int:
         metrics.write(step, m)
         if "val/reward_mean" in m:
             metrics.write_validation(step - 1, {k: v for k, v in m.items() if k.startswith("val/")})
-        log.info(progress_line(step, total, m))
+        ends.append(time.perf_counter())
+        log.info(progress_line(step, total, m, remaining_s(started, ends, total - step)))
         if nonfinite_limit_reached(cfg, m):
             # no save: the weights are those of the last finite step, but the last checkpoint is
             # the last state known good, and a rerun resumes from it

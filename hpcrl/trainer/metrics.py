@@ -105,8 +105,31 @@ def read_metrics(run_dir: Path | str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def progress_line(step: int, total: int, m: dict[str, Any]) -> str:
-    """One human line per step for the job output."""
+def remaining_s(started: float, ends: list[float], left: int) -> float:
+    """Seconds until `left` more steps are done, at the pace of this process's steps after its
+    first (the first also warms up, so it sets the pace only until a second one is done). `ends`:
+    when each step was logged, so a step's time includes the save and validation after the one
+    before it."""
+    if not ends:
+        return 0.0
+    per_step = (ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) > 1 else ends[0] - started
+    return max(per_step, 0.0) * left
+
+
+def duration(seconds: float) -> str:
+    """4 s, 12m05s, 3h07m, 2d04h."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def progress_line(step: int, total: int, m: dict[str, Any], eta_s: float | None = None) -> str:
+    """One human line per step for the job output; eta_s: seconds to `total` (shown while steps remain)."""
     parts = [f"step {step}/{total}"]
     for key, label, fmt in (("reward/mean", "reward", "{:.3f}"), ("reward/acc", "acc", "{:.3f}"),
                             ("response_length/mean", "len", "{:.1f}"), ("actor/pg_loss", "pg_loss", "{:+.4f}"),
@@ -114,4 +137,6 @@ def progress_line(step: int, total: int, m: dict[str, Any]) -> str:
                             ("time/step", "time", "{:.1f}s"), ("throughput/tokens_per_s", "tok/s", "{:.0f}")):
         if key in m:
             parts.append(f"{label} " + fmt.format(m[key]))
+    if eta_s is not None and step < total:
+        parts.append(f"ETA {duration(eta_s)}")
     return " | ".join(parts)

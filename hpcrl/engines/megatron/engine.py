@@ -180,7 +180,7 @@ class MegatronEngine:
         self._select_output_positions()
         # "positions": each token's position [B, T] while a micro-batch with shared prefixes runs
         self._rope: dict[str, torch.Tensor | None] = {"positions": None}
-        self._positions_drive_rope()
+        self._rope_by_position = self._positions_drive_rope()
         self.optimizer: torch.optim.Optimizer | None = None
         self.optim = optim
         self.step_count = 0
@@ -242,16 +242,15 @@ class MegatronEngine:
 
         layer.forward = forward
 
-    def _positions_drive_rope(self) -> None:
+    def _positions_drive_rope(self) -> bool:
         """RoPE at each token's own position (`self._rope["positions"]`) instead of its place in the
         packed row. megatron rotates by row place, which is exact for sequences laid out one after
         another (RoPE sees only relative positions), but not for the branches of a shared prefix,
-        which follow each other in the row while each continues the prefix."""
+        which follow each other in the row while each continues the prefix. False where the model
+        has no megatron RotaryEmbedding (nothing is changed then)."""
         rope = getattr(self.model, "rotary_pos_emb", None)
         if rope is None or type(rope).__name__ != "RotaryEmbedding":
-            if self.options.share_prompt and self.spec == "local":
-                self.options.share_prompt = False  # another position embedding: no sharing
-            return
+            return False
         by_place = rope.forward
         # The wrapper must not refer to the engine: megatron's RotaryEmbedding.forward is an
         # lru_cache over its module, which would keep the engine, its model and process groups
@@ -266,6 +265,7 @@ class MegatronEngine:
             return emb[:, 0, 0][pos.to(emb.device)].unsqueeze(2)  # [T, B, 1, d]
 
         rope.forward = forward
+        return True
 
     def _spread(self, values: torch.Tensor, mb: PackedMicroBatch) -> torch.Tensor:
         """Per-position values of the selected positions ([1, n], see `_select_output_positions`)
@@ -400,7 +400,10 @@ class MegatronEngine:
         when only later positions carry a loss or a requested output (`share_prompt`)."""
         fields = token_fields or {}
         needed = fields.get("loss_weight", fields.get("positions"))
-        if not self.options.share_prompt or self.spec != "local" or needed is None:
+        # the local spec's attention takes the branch layout (TE's packed attention does not), and a
+        # branch needs RoPE at its tokens' own positions (another position embedding: no sharing)
+        shares = self.options.share_prompt and self.spec == "local" and self._rope_by_position
+        if not shares or needed is None:
             return list(range(len(seqs)))
         first = []
         for v in needed:
