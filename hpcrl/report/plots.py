@@ -118,7 +118,7 @@ def plot_run(run_dir: Path | str, out_dir: Path | str | None = None) -> list[Pat
     out = Path(out_dir) if out_dir is not None else run / "plots"
     out.mkdir(parents=True, exist_ok=True)
     keys = _keys(steps)
-    name = "/".join(run.resolve().parts[-2:])  # runs/hpcrl/NAME/run reads better than "run"
+    name = "/".join(run.resolve().parts[-2:])  # the last two parts: many run directories are named "run"
     written = []
 
     fig, ax = plt.subplots(figsize=(10, 4.5))
