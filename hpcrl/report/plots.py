@@ -21,10 +21,11 @@ matplotlib draws off-screen (the Agg backend): no display is needed on a login n
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from hpcrl.trainer.metrics import read_metrics, read_records
 
 STEP_TOTAL = "time/step"
 
@@ -33,39 +34,18 @@ class NoMetricsError(RuntimeError):
     """The directory holds no step records to plot."""
 
 
-def read_records(path: Path, key: str) -> list[dict[str, Any]]:
-    """The JSON lines of `path`, the last one per `key`, sorted by it; an unfinished last line
-    (a run writing now) is skipped."""
-    if not path.exists():
-        return []
-    by_key: dict[Any, dict[str, Any]] = {}
-    for line in path.read_text(errors="replace").splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(rec, dict) and key in rec:
-            by_key[rec[key]] = rec
-    return [by_key[k] for k in sorted(by_key)]
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)  # "nan"/"inf" are stored as strings
 
 
 def _series(records: Sequence[dict[str, Any]], key: str, x_key: str = "step") -> tuple[list[float], list[float]]:
-    xs, ys = [], []
-    for r in records:
-        v = r.get(key)
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
-            xs.append(float(r[x_key]))
-            ys.append(float(v))
-    return xs, ys
+    pairs = [(float(r[x_key]), float(r[key])) for r in records if _is_number(r.get(key))]
+    return [x for x, _ in pairs], [y for _, y in pairs]
 
 
 def _keys(records: Sequence[dict[str, Any]]) -> list[str]:
-    seen: dict[str, None] = {}
-    for r in records:
-        for k, v in r.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                seen.setdefault(k, None)
-    return list(seen)
+    """The numeric metrics of any record, in first-seen order."""
+    return list(dict.fromkeys(k for r in records for k, v in r.items() if _is_number(v)))
 
 
 def _is_kl_or_entropy(key: str) -> bool:
@@ -110,7 +90,7 @@ def plot_run(run_dir: Path | str, out_dir: Path | str | None = None) -> list[Pat
     import matplotlib.pyplot as plt
 
     run = Path(run_dir)
-    steps = read_records(run / "metrics.jsonl", "step")
+    steps = read_metrics(run)
     if not steps:
         raise NoMetricsError(f"{run / 'metrics.jsonl'}: no step records (is {run} a run directory, and has "
                              "its first step finished?)")

@@ -97,12 +97,25 @@ class MetricsWriter:
             self.tb.close()
 
 
-def read_metrics(run_dir: Path | str) -> list[dict[str, Any]]:
-    """All step records of a run (empty when it has none yet)."""
-    path = Path(run_dir) / "metrics.jsonl"
+def read_records(path: Path, key: str) -> list[dict[str, Any]]:
+    """The JSON lines of `path`, the last one per `key` (a resumed run may redo a validation point),
+    sorted by it; an unfinished last line (a run writing now) is skipped. Empty without the file."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    by_key: dict[Any, dict[str, Any]] = {}
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and key in rec:
+            by_key[rec[key]] = rec
+    return [by_key[k] for k in sorted(by_key)]
+
+
+def read_metrics(run_dir: Path | str) -> list[dict[str, Any]]:
+    """All step records of a run, one per step (empty when it has none yet)."""
+    return read_records(Path(run_dir) / "metrics.jsonl", "step")
 
 
 def remaining_s(started: float, ends: list[float], left: int) -> float:
