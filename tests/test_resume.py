@@ -159,8 +159,9 @@ def failure_report(err: str, rank: int) -> str:
     return "\n".join(line for line in err.splitlines() if any(k in line for k in keys))[-6000:]
 
 
-def job_ranks(run_dir: Path) -> dict[int, int]:
-    """MPI rank -> pid of the run's hpcrl_entry processes (all nodes of the local cluster are this machine)."""
+def job_ranks(run_dir: Path, restart: int) -> dict[int, int]:
+    """MPI rank -> pid of the run's hpcrl_entry processes in the job's Slurm restart `restart` (all
+    nodes of the local cluster are this machine)."""
     found: dict[int, int] = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit():
@@ -173,7 +174,8 @@ def job_ranks(run_dir: Path) -> dict[int, int]:
             parent = (Path("/proc") / (d / "stat").read_text().rsplit(")", 1)[1].split()[1] / "cmdline").read_bytes()
         except (OSError, IndexError):
             continue
-        if env.get(b"HPCRL_RUN_DIR") == str(run_dir).encode() and b"hpcrl_entry.py" not in parent:
+        if (env.get(b"HPCRL_RUN_DIR") == str(run_dir).encode() and b"hpcrl_entry.py" not in parent
+                and env.get(b"SLURM_RESTART_COUNT", b"0") == str(restart).encode()):
             found[int(env[b"SLURM_PROCID"])] = int(d.name)  # a forked child of a rank is not a rank
     return found
 
@@ -190,28 +192,36 @@ def test_killed_worker_and_controller_requeue_and_resume_bit_exact(slurm_cluster
                                                                     grpo_reference: tuple[Path, list[dict]],
                                                                     tmp_path: Path) -> None:
     """kill -9 of rank 2 in its 6th update (step 6), of rank 3 in the 5th rollout after the restart
-    (step 9), then of the controller: three failures, three requeues, the reference's weights."""
+    (step 9), then of the controller as it sends step 9's update after the second restart: three
+    failures, three requeues, the reference's weights."""
     run_dir = tmp_path / "killed"
     bound = 10.0
-    # hpcrl/launch/faults.py: RESTART:RANK:METHOD:N; the environment reaches every rank through sbatch
-    env = {**os.environ, "HPCRL_FAULT": "0:2:update_actor:6,1:3:generate_shard:5",
+    # hpcrl/launch/faults.py: RESTART:RANK:METHOD:N; the environment reaches every rank through sbatch.
+    # The controller kills itself too, at a known point: killed from outside once step 9 had begun, it
+    # could have finished the run already (a step of the tiny model takes under a second).
+    env = {**os.environ, "HPCRL_FAULT": "0:2:update_actor:6,1:3:generate_shard:5,2:0:update_actor:1",
            "HPCRL_HEARTBEAT_TIMEOUT": str(bound)}
     job = submit(run_dir, "normal", "slurm.max_failure_requeues=3", env=env)
 
-    def in_second_restart() -> bool:  # resumed from step 8 after the rollout kill
+    def second_restart_ranks() -> dict[int, int]:  # the world that resumes from step 8 after the rollout kill
         poke_if_pending(job, "normal")
-        log = run_dir / "logs" / "controller.log"
-        return log.exists() and log.read_text().count("continuing at step 9 of 10") == 1
+        return job_ranks(run_dir, restart=2)
 
     try:
-        wait_for(in_second_restart, 900, "the second restart", job)
-        ranks = job_ranks(run_dir)
+        wait_for(lambda: len(second_restart_ranks()) == 5, 900, "the second restart's ranks", job)
+        ranks = job_ranks(run_dir, restart=2)
         assert sorted(ranks) == [0, 1, 2, 3, 4], ranks
-        os.kill(ranks[0], 9)
-        t_kill = time.monotonic()
-        wait_for(lambda: not any(alive(p) for p in ranks.values()), 60, "the killed controller's workers to exit",
-                 job)
-        workers_gone_s = time.monotonic() - t_kill
+        err_file = Path(json.loads((run_dir / "slurm" / "job.json").read_text())["stderr"])
+        wait_for(lambda: not alive(ranks[0]), 600, "the controller to kill itself in step 9", job)
+        deadline = time.monotonic() + 60
+        while any(alive(p) for p in ranks.values()):
+            assert time.monotonic() < deadline, "the killed controller's workers did not exit within 60 s"
+            time.sleep(0.1)
+        workers_gone_at = time.time()
+        killed = re.search(r"\[hpcrl fault\] rank 0 pid (\d+): SIGKILL at .*unix time ([\d.]+)",
+                           err_file.read_text(errors="replace"))
+        assert killed and int(killed.group(1)) == ranks[0], err_file.read_text(errors="replace")[-3000:]
+        workers_gone_s = workers_gone_at - float(killed.group(2))
         wait_for(lambda: finished(job, "normal"), 900, "the job to finish", job)
     finally:
         subprocess.run(["scancel", job], capture_output=True)

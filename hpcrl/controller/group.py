@@ -134,6 +134,8 @@ class WorkerGroup:
         """Dispatch one call according to `mode`; the building block of the proxies above."""
         if self._closed:
             raise RuntimeError(f"{self!r} was closed: its objects no longer exist on the workers")
+        rt = get_runtime()
+        rt.faults.maybe_kill_self(method)
         n = len(self.ranks)
         wanted = self._wanted_ranks(mode.collect)
         header = {"k": "call", "obj": self.name, "m": method}
@@ -151,7 +153,7 @@ class WorkerGroup:
         merged = None
         if mode.collect is Collect.DP:
             merged = [self.ranks[g] for g in self.layout.output_ranks()]
-        return get_runtime().submit(f"{self.name}.{method}", messages, self._combiner(mode.collect), merged)
+        return rt.submit(f"{self.name}.{method}", messages, self._combiner(mode.collect), merged)
 
     def _wanted_ranks(self, collect: Collect) -> set[int]:
         if collect is Collect.ALL:

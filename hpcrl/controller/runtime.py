@@ -48,6 +48,7 @@ from hpcrl.controller.transport import (
     probe_header,
     send_message,
 )
+from hpcrl.launch.faults import FaultInjector
 from hpcrl.launch.world import World, abort
 
 
@@ -134,6 +135,7 @@ class ControllerRuntime:
         self.stderr_files = stderr_files or [""] * world.size  # per rank, see hpcrl.controller.stderr_log
         self.liveness = Liveness(world, heartbeat_interval_s, heartbeat_timeout_s, self._on_lost)
         self.closed = False
+        self.faults = FaultInjector(world.rank)  # HPCRL_FAULT, for the fault tests (hpcrl/launch/faults.py)
 
     # -- liveness -------------------------------------------------------------------------
     def _on_lost(self, rank: int, silent_s: float) -> None:

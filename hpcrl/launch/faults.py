@@ -3,11 +3,13 @@
     HPCRL_FAULT="RESTART:RANK:METHOD:N[,...]"   e.g. "0:2:update_actor:2,1:3:generate_shard:5"
 
 MPI rank RANK, in the job's Slurm restart RESTART (SLURM_RESTART_COUNT, 0 off Slurm), sends itself
-SIGKILL when its N-th call of a worker method named METHOD begins. Why a self-inflicted kill: a
-test that kills from outside at "some moment" cannot say whether the rank died in the rollout or
-in the update (a tiny model's step lasts 2 s); this kills at a known point, and what the rest of
-the job sees is exactly a kill -9 from outside (no cleanup, no message, no exit handler). The
-restart field keeps a requeued job from dying again at the same place.
+SIGKILL when its N-th call of a worker method named METHOD begins: on a worker rank as it starts to
+run the call, on the controller (rank 0) as it starts to send it to a group. Why a self-inflicted
+kill: a test that kills from outside at "some moment" cannot say whether the rank died in the
+rollout or in the update, nor, for the controller, whether the run was still going (a step of the
+tiny model takes under a second); this kills at a known point, and what the rest of the job sees is
+exactly a kill -9 from outside (no cleanup, no message, no exit handler). The restart field keeps a
+requeued job from dying again at the same place.
 
 Unset (the normal case), `maybe_kill_self` costs one dictionary lookup per call.
 """
