@@ -25,6 +25,7 @@ from hpcrl.config import (
     world_size,
 )
 from hpcrl.config.validate import read_hf_config
+from hpcrl.plan import add_plan_arguments, cluster_for_plan, memory_plan
 
 EXIT_CONFIG = 2
 
@@ -54,8 +55,12 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """Print what a run of this config will occupy: ranks, layouts, batch arithmetic."""
+    """Print what a run of this config will occupy: ranks, layouts, batch arithmetic, then whether it
+    fits in memory (hpcrl.plan)."""
     cfg = load_validated(args)
+    cfg, change = cluster_for_plan(cfg, args)  # --nodes / --gpus-per-node
+    if change.problems:
+        return change.refuse(cfg, args)
     w = world_size(cfg)
     lines = [f"workers     {w} = trainer.nnodes {cfg.trainer.nnodes} x trainer.workers_per_node "
              f"{cfg.trainer.workers_per_node}, plus 1 controller rank (MPI world of {w + 1})"]
@@ -83,7 +88,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                  + (f", {gpus} GPU(s) per node" if gpus else ", CPU workers"))
     lines.append(f"run dir     {cfg.trainer.run_dir}")
     print("\n".join(lines))
-    return 0
+    return memory_plan(cfg, args, change)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -136,8 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=("yaml", "json"), default="yaml")
     p.set_defaults(func=cmd_config)
 
-    p = sub.add_parser("plan", help="print the ranks, parallel layouts and batch arithmetic of a config")
+    p = sub.add_parser("plan", help="print the ranks, parallel layouts, batch arithmetic and memory per GPU or worker "
+                                    "of a config, and whether it fits (exit status 3 when it does not)")
     _add_config_args(p)
+    add_plan_arguments(p)
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("run", help="run a config on this machine (controller + workers under mpiexec)")

@@ -9,8 +9,11 @@
 #   batching) and holds no model; CPU and memory only, so it asks for no GPU. Other jobs may share its node.
 # - het group 1: 32 nodes x 8 tasks, one worker per GPU = 256 workers, all colocated roles on every GPU:
 #   - actor and critic Megatron TP=8: one node's NVLink domain; 64 heads and 8 KV groups split evenly (8 each).
-#   - PP=4: 80 layers -> 20 per stage; bf16 weights + fp32 Adam states of 70B fit on 32 GPUs per replica.
-#   - DP = 256 / (8 x 4) = 8 replicas of actor and critic; the reference policy uses the actor's layout.
+#   - PP=8: 80 layers -> 10 per stage. Actor and critic each keep 18 bytes a parameter on their GPUs (bf16
+#     weights, fp32 gradients, fp32 masters, 2 fp32 Adam moments): at PP=4 that is 76 GiB of 80 before any
+#     activation, at PP=8 40 GiB (`hpcrl plan configs/ppo_70b.yaml --skip-path-checks --model-config
+#     configs/models/llama3-70b.json --gpu-mem 80`, docs/planner.md).
+#   - DP = 256 / (8 x 8) = 4 replicas of actor and critic; the reference policy uses the actor's layout.
 #   - rollout (vLLM) TP=8: one engine per node = 32 engines; generation needs no PP and no cross-node traffic.
 #   - --mem=0 and all 8 GPUs per node, --exclusive: nothing else on a worker node (NCCL and NVLink to ourselves).
 # - --time=2-00:00:00 and --signal=B:USR1@600: ten minutes before the limit Slurm sends USR1 to this script's

@@ -34,8 +34,8 @@ def test_shipped_recipes_validate(recipe: str, check_paths: bool) -> None:
 def test_ppo_70b_layout_is_the_documented_one() -> None:
     cfg = load_config(REPO / "configs" / "ppo_70b.yaml")
     lay = role_layouts(cfg)
-    assert (lay["actor"].tp, lay["actor"].pp, lay["actor"].dp) == (8, 4, 8)
-    assert (lay["critic"].tp, lay["critic"].pp, lay["critic"].dp) == (8, 4, 8)
+    assert (lay["actor"].tp, lay["actor"].pp, lay["actor"].dp) == (8, 8, 4)
+    assert (lay["critic"].tp, lay["critic"].pp, lay["critic"].dp) == (8, 8, 4)
     assert "reference" in lay
     assert (rollout_layout(cfg).tp, rollout_layout(cfg).dp) == (8, 32)
 
@@ -173,7 +173,7 @@ def test_cli_plan() -> None:
     assert "actor       TP=2 PP=1 DP=2" in r.stdout and "rollout     TP=1 DP=4" in r.stdout
     assert "MPI world of 5" in r.stdout and "Qwen2ForCausalLM: 2 layers" in r.stdout
     r = run([HPCRL, "plan", "configs/ppo_70b.yaml", "--skip-path-checks"])
-    assert r.returncode == 0 and "MPI world of 257" in r.stdout and "critic      TP=8 PP=4 DP=8" in r.stdout
+    assert r.returncode == 0 and "MPI world of 257" in r.stdout and "critic      TP=8 PP=8 DP=4" in r.stdout
     r = run([HPCRL, "plan", "configs/ppo_70b.yaml"])  # the 70B model is not on this machine
     assert r.returncode == 2 and "model.path=" in r.stderr
 

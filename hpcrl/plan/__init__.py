@@ -1,0 +1,26 @@
+"""Memory planning: does a run fit its devices? (`hpcrl plan`, docs/planner.md)
+
+- `shape.py`: a model's shape from its HF config.json, and the parameters each layout puts on one
+  device (Megatron's TP x PP shard of a pipeline stage, vLLM's rollout-TP shard).
+- `memory.py`: the bytes of one worker (one GPU, or one CPU worker process) in each phase of a step
+  (rollout, reshard, forward, updates, optimizer step), term by term; no torch, no vLLM.
+- `report.py`: what `hpcrl plan` prints after the layouts (table, peak, verdict, what to change),
+  its options (--nodes, --gpus-per-node, --gpu-mem, --model-config, --compare) and exit statuses,
+  and the comparison with the peaks a run measured (metrics.jsonl).
+"""
+
+from hpcrl.plan.memory import Estimate, RoleShapes, estimate
+from hpcrl.plan.report import (
+    EXIT_DOES_NOT_FIT,
+    EXIT_STATUS_HELP,
+    add_plan_arguments,
+    cluster_for_plan,
+    compare_with_run,
+    memory_plan,
+)
+from hpcrl.plan.shape import ModelConfigError, ModelShape, read_model_shape
+
+__all__ = [
+    "EXIT_DOES_NOT_FIT", "EXIT_STATUS_HELP", "Estimate", "ModelConfigError", "ModelShape", "RoleShapes",
+    "add_plan_arguments", "cluster_for_plan", "compare_with_run", "estimate", "memory_plan", "read_model_shape",
+]

@@ -1,0 +1,587 @@
+"""What `hpcrl plan` prints after the layouts: the memory table per phase, the peak, the verdict and
+what to change when a run does not fit; and the comparison with a finished run's measured peaks.
+
+Exit statuses of `hpcrl plan` (also in its --help and docs/planner.md): 0 fits (or no verdict could
+be made: no model config.json here, or a CPU plan without a memory size to compare with; said in
+the output), 2 invalid config or arguments, 3 does not fit (memory, or the layout cannot be placed
+on the --nodes / --gpus-per-node given), 1 --compare found no measured memory in the run directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from hpcrl.config import ConfigError, critic_enabled, reference_enabled, validate, world_size
+from hpcrl.plan.memory import GB, GIB, PHASE_MEANING, Estimate, RoleShapes, estimate, plan_device
+from hpcrl.plan.shape import ModelConfigError, ModelShape, read_model_shape
+
+EXIT_FITS = 0
+EXIT_NO_METRICS = 1
+EXIT_INVALID = 2
+EXIT_DOES_NOT_FIT = 3
+
+EXIT_STATUS_HELP = ("exit status: 0 fits (or no memory verdict could be made, said in the output), 2 invalid config "
+                    "or arguments, 3 does not fit (memory, or the layout cannot be placed on --nodes x "
+                    "--gpus-per-node), 1 --compare found no memory/rss_gb_max in the run directory")
+COLUMN = {"rollout": "rollout", "reshard": "reshard", "forward": "forward", "update actor": "upd actor",
+          "update critic": "upd critic", "optimizer step": "opt step"}
+
+
+# -- arguments ------------------------------------------------------------------------------------
+def _positive_int(text: str) -> int:
+    """--nodes / --gpus-per-node: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1 (got {text!r})")
+    return value
+
+
+def gpu_mem_gib(text: str) -> float:
+    """--gpu-mem: GiB of one GPU, a finite number > 0 (an H100 has 80, an H200 141)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be the memory of one GPU in GiB, a number > 0 such as 80 "
+                                         f"(got {text!r})")
+    return value
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    """The memory planner's options of `hpcrl plan`."""
+    p.add_argument("--nodes", type=_positive_int, metavar="N",
+                   help="plan for N nodes (overrides trainer.nnodes; a recipe's data_parallel is re-derived)")
+    p.add_argument("--gpus-per-node", type=_positive_int, metavar="G",
+                   help="plan for G workers (GPUs) per node (overrides trainer.workers_per_node and "
+                        "slurm.gpus_per_node)")
+    p.add_argument("--gpu-mem", type=gpu_mem_gib, metavar="GiB",
+                   help="memory of one GPU in GiB (default 80); plans a trainer.device=auto recipe for GPUs")
+    p.add_argument("--model-config", metavar="PATH",
+                   help="the model's HF config.json, when model.path is not on this machine "
+                        "(configs/models/llama3-70b.json: Llama-3-70B)")
+    p.add_argument("--compare", metavar="RUN_DIR",
+                   help="print the estimate next to the peak memory a run measured (RUN_DIR/metrics.jsonl)")
+    p.epilog = EXIT_STATUS_HELP
+
+
+# -- --nodes / --gpus-per-node ----------------------------------------------------------------------
+@dataclass
+class ClusterChange:
+    """What --nodes / --gpus-per-node changed, and why the layout cannot be placed (if it cannot)."""
+
+    notes: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+    fewest_nodes: int | None = None  # the fewest nodes (as many workers each) that place the layout
+
+    def refuse(self, cfg: DictConfig, args: argparse.Namespace) -> int:
+        """Print why the run cannot be placed on these nodes, and what the layouts that can be
+        would need; the does-not-fit status."""
+        nodes, per_node = cfg.trainer.nnodes, cfg.trainer.workers_per_node
+        print(f"plan for {nodes} node(s) x {per_node} worker(s) = {nodes * per_node} workers: the layout cannot "
+              "be placed")
+        for note in self.notes:
+            print(f"note        {note}")
+        for problem in self.problems:
+            print(f"  - {problem}")
+        more = (f"--nodes {self.fewest_nodes} (trainer.nnodes={self.fewest_nodes}) is the fewest that place it"
+                if self.fewest_nodes else "more nodes")
+        print(f"verdict     does not fit on {nodes} node(s): {more}; or a smaller TP x PP that divides the workers "
+              "(actor.parallel.tensor_parallel / pipeline_parallel), which puts more of the model on each GPU")
+        inputs = _read_inputs(cfg, args)
+        if not isinstance(inputs, int):
+            alternative = best_placeable(cfg, inputs)
+            if alternative:
+                print(f"            {alternative}")
+        return EXIT_DOES_NOT_FIT
+
+
+def cluster_for_plan(cfg: DictConfig, args: argparse.Namespace) -> tuple[DictConfig, ClusterChange]:
+    """The config with --nodes / --gpus-per-node applied. A `data_parallel` cross-check that no
+    longer matches is re-derived (it is only a cross-check: DP is what TP x PP leave); the layout
+    is validated again for the new world size."""
+    change = ClusterChange()
+    nodes, per_node = getattr(args, "nodes", None), getattr(args, "gpus_per_node", None)
+    if nodes is None and per_node is None:
+        return cfg, change
+    new = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    if nodes is not None:
+        new.trainer.nnodes = nodes
+    if per_node is not None:
+        new.trainer.workers_per_node = per_node
+        if new.trainer.device != "cpu":  # one worker per GPU
+            new.slurm.gpus_per_node = per_node
+    w = world_size(new)
+    for role in ("actor", "critic", "reference"):
+        par = new[role].get("parallel")
+        if par is None or par.get("data_parallel") is None:
+            continue
+        tp_pp = par.tensor_parallel * par.pipeline_parallel
+        if par.data_parallel * tp_pp != w:
+            derived = w // tp_pp if w % tp_pp == 0 else None
+            change.notes.append(
+                f"{role}.parallel.data_parallel={par.data_parallel} is for the recipe's "
+                f"{world_size(cfg)} workers; " + (f"re-derived as {derived} for {w} (pass {role}.parallel."
+                                                  f"data_parallel={derived} or null when you run it)"
+                                                  if derived else f"dropped: TP x PP = {tp_pp} does not divide {w}"))
+            par.data_parallel = None
+    try:
+        validate(new, check_paths=False)
+    except ConfigError as e:
+        change.problems = e.problems
+        change.fewest_nodes = _fewest_nodes(new)
+    return new, change
+
+
+def _fewest_nodes(cfg: DictConfig, most: int = 1024) -> int | None:
+    """The fewest nodes of trainer.workers_per_node workers on which the config's layout validates."""
+    trial = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    for nodes in range(1, most + 1):
+        trial.trainer.nnodes = nodes
+        try:
+            validate(trial, check_paths=False)
+        except ConfigError:
+            continue
+        return nodes
+    return None
+
+
+# -- the model's shape ----------------------------------------------------------------------------
+def read_shapes(cfg: DictConfig, model_config: str | None) -> tuple[RoleShapes, list[str]]:
+    """The shapes the plan uses, and lines saying where each came from. ModelConfigError when the
+    policy's config.json is not here and no --model-config was given."""
+    lines = []
+    if model_config:
+        policy = read_model_shape(model_config)
+        lines.append(f"model       {policy.source} (--model-config): {policy.describe()}")
+    else:
+        try:
+            policy = read_model_shape(cfg.model.path)
+        except ModelConfigError as e:
+            raise ModelConfigError(f"{e}. model.path={cfg.model.path!r} is not on this machine: pass "
+                                   "--model-config PATH, a config.json of the same model "
+                                   "(configs/models/llama3-70b.json holds Llama-3-70B's)") from None
+        lines.append(f"model       {policy.source} (model.path): {policy.describe()}")
+    critic = None
+    if critic_enabled(cfg) and cfg.critic.model_path:
+        try:
+            critic = read_model_shape(cfg.critic.model_path)
+            lines.append(f"critic      {critic.source} (critic.model_path): {critic.describe()}")
+        except ModelConfigError:
+            lines.append(f"critic      critic.model_path={cfg.critic.model_path!r} is not here: planned with the "
+                         "policy's shape")
+    reward = None
+    if cfg.reward.model_path:
+        try:
+            reward = read_model_shape(cfg.reward.model_path)
+            lines.append(f"reward      {reward.source} (reward.model_path): {reward.describe()}")
+        except ModelConfigError:
+            lines.append(f"reward      reward.model_path={cfg.reward.model_path!r} is not here: NOT counted")
+    return RoleShapes(policy=policy, critic=critic, reward_model=reward), lines
+
+
+def host_memory(cfg: DictConfig) -> tuple[int | None, str]:
+    """Memory of one node for a CPU plan: slurm.mem_per_node (Slurm's units: MiB by default, K/M/G/T
+    suffixes 1024-based; 0 means the whole node, unknown here), else this machine's MemTotal for a
+    one-node run (`hpcrl run` runs there)."""
+    spec = cfg.slurm.mem_per_node
+    if spec not in (None, "", "0"):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGTkmgt]?)[Bb]?\s*", str(spec))
+        if m:
+            scale = {"": 1 << 20, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2).upper()]
+            return int(float(m.group(1)) * scale), f"slurm.mem_per_node={spec}"
+    if cfg.trainer.nnodes == 1:
+        try:
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024, "this machine's MemTotal"
+        except OSError:
+            pass
+    return None, ""
+
+
+# -- the table ------------------------------------------------------------------------------------
+ROW_GROUPS = ("actor ", "critic ", "reference ", "reward model ", "vLLM ", "reshard ", "activations ", "working ",
+              "logits ", "grad ")
+
+
+def _row_rank(label: str) -> int:
+    """Rows by role (actor, critic, reference, reward model), then vLLM, the transients, and the
+    runtime last."""
+    return next((i for i, prefix in enumerate(ROW_GROUPS) if label.startswith(prefix)), len(ROW_GROUPS))
+
+
+def _cell(nbytes: int | None, unit: int) -> str:
+    return "-" if not nbytes else f"{nbytes / unit:.2f}"
+
+
+def format_estimate(est: Estimate) -> list[str]:
+    """The table (rows: terms, columns: phases) with totals, the peak, the KV cache and notes."""
+    unit, unit_name = (GIB, "GiB per GPU") if est.device == "gpu" else (GB, "GB per worker process")
+    short = _unit_name(est)
+    where = f", pipeline stage {est.stage} of {est.pipeline_stages}" if est.pipeline_stages > 1 else ""
+    labels: list[str] = []
+    for phase in est.phases:
+        labels += [k for k in phase.terms if k not in labels]
+    labels.sort(key=_row_rank)  # stable: within a group, the order the phases add them
+    width = max(len(x) for x in [*labels, unit_name + where]) + 2
+    head = f"  {unit_name + where:<{width}}" + "".join(f"{COLUMN[p.name]:>11}" for p in est.phases)
+    lines = [head]
+    for label in labels:
+        lines.append(f"  {label:<{width}}" + "".join(f"{_cell(p.terms.get(label), unit):>11}" for p in est.phases))
+    lines.append(f"  {'total':<{width}}" + "".join(f"{p.total / unit:>11.2f}" for p in est.phases))
+    lines.append("  (" + "; ".join(f"{COLUMN[p.name]}: {PHASE_MEANING[p.name]}" for p in est.phases) + ")")
+    peak = est.peak
+    if est.capacity_bytes:
+        spare = est.capacity_bytes - peak.total
+        lines.append(f"peak        {peak.name}: {peak.total / unit:.2f} {short} of {est.capacity_bytes / unit:.2f} "
+                     f"{short} ({est.capacity_source}); {'spare' if spare >= 0 else 'over by'} "
+                     f"{abs(spare) / unit:.2f} {short}")
+    else:
+        lines.append(f"peak        {peak.name}: {peak.total / unit:.2f} {short}")
+    kv = est.kv
+    per_engine = f"a step gives each engine {kv.samples_per_engine} sample(s)"
+    if kv.val_per_engine:
+        per_engine += f", a validation batch {kv.val_per_engine}"
+    hold = kv.sequences
+    lines.append(f"KV cache    {kv.nbytes / unit:.2f} {short} ({kv.rule}); {kv.bytes_per_token / 1024:.1f} KiB a "
+                 f"token: {hold} sequence(s) of {kv.sequence_tokens} tokens at once "
+                 f"({'holds at least one full sequence' if hold >= 1 else 'NOT one full sequence'}); {per_engine}"
+                 + ("" if hold >= max(kv.samples_per_engine, kv.val_per_engine) or hold < 1
+                    else " (vLLM queues the rest: slower, not out of memory)"))
+    for what, nbytes in est.host_pinned_per_node.items():
+        if nbytes:
+            lines.append(f"host        {nbytes / GIB:.2f} GiB pinned host memory per node: {what}")
+    for note in est.notes:
+        lines.append(f"note        {note}")
+    return lines
+
+
+def _unit_name(est: Estimate) -> str:
+    return "GiB" if est.device == "gpu" else "GB"
+
+
+def verdict_lines(est: Estimate, suggestions: list[str]) -> list[str]:
+    """The verdict, with why it does not fit and what to change."""
+    unit, short = (GIB if est.device == "gpu" else GB), _unit_name(est)
+    fits = est.fits
+    if fits is None:
+        return ["verdict     not judged: no memory size to compare with (set slurm.mem_per_node, or plan on the "
+                "machine that runs it)"]
+    if fits:
+        tight = est.capacity_bytes and est.peak.total > 0.95 * est.capacity_bytes
+        return ["verdict     fits" + (" (less than 5% to spare: the allocator's fragmentation is not counted)"
+                                      if tight else "")]
+    why = list(est.problems)
+    if est.capacity_bytes is not None and est.peak.total > est.capacity_bytes:
+        why.insert(0, f"{est.peak.name} needs {est.peak.total / unit:.2f} {short} > "
+                      f"{est.capacity_bytes / unit:.2f} {short} ({est.capacity_source})")
+    lines = ["verdict     does not fit: " + why[0]] + [f"            and: {w}" for w in why[1:]]
+    if suggestions:
+        lines.append("what to change (planned again with each change):")
+        lines += [f"  - {s}" for s in suggestions]
+    return lines
+
+
+# -- what to change -------------------------------------------------------------------------------
+def _try(cfg: DictConfig, changes: dict[str, Any], shapes: RoleShapes, gpu_mem: int | None,
+         host: tuple[int | None, str]) -> Estimate | None:
+    """The plan with some keys changed, or None when that config is not valid."""
+    cand = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
+    for key, value in changes.items():
+        OmegaConf.update(cand, key, value, merge=False)
+    try:
+        validate(cand, check_paths=False)
+    except ConfigError:
+        return None
+    return estimate(cand, shapes, gpu_mem, host[0], host[1])
+
+
+def _yaml_value(value: Any) -> str:
+    """A value as a KEY=VALUE override writes it (YAML: null, true, false)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _describe_try(changes: dict[str, Any], est: Estimate) -> str:
+    unit = GIB if est.device == "gpu" else GB
+    keys = " ".join(f"{k}={_yaml_value(v)}" for k, v in changes.items())
+    return (f"{keys}: peak {est.peak.total / unit:.2f} {_unit_name(est)} ({est.peak.name}), "
+            + ("fits" if est.fits else "does not fit" + (f" ({est.problems[0]})" if est.problems else "")))
+
+
+def _layout_changes(cfg: DictConfig, tp: int, pp: int) -> dict[str, Any]:
+    """Keys that move every Megatron role to TP x PP (colocated roles share one layout)."""
+    changes: dict[str, Any] = {"actor.parallel.tensor_parallel": tp, "actor.parallel.pipeline_parallel": pp}
+    if cfg.actor.parallel.data_parallel is not None:
+        changes["actor.parallel.data_parallel"] = None
+    for role in ("critic", "reference"):
+        par = cfg[role].parallel
+        enabled = critic_enabled(cfg) if role == "critic" else reference_enabled(cfg)
+        if enabled and par is not None:
+            changes[f"{role}.parallel.tensor_parallel"] = tp
+            changes[f"{role}.parallel.pipeline_parallel"] = pp
+            if par.data_parallel is not None:
+                changes[f"{role}.parallel.data_parallel"] = None
+    return changes
+
+
+def _token_ladder(start: int, floor: int) -> list[int]:
+    """Micro-batch budgets to try below `start`: halving, down to one full sequence (`floor`), below
+    which a budget changes nothing (a longer sequence gets a micro-batch of its own)."""
+    out = []
+    tokens = start // 2
+    while tokens > floor:
+        out.append(tokens)
+        tokens //= 2
+    if floor < start:
+        out.append(floor)
+    return out
+
+
+def suggest(cfg: DictConfig, est: Estimate, shapes: RoleShapes, gpu_mem: int | None,
+            host: tuple[int | None, str]) -> list[str]:
+    """Changes that make the plan fit, found by planning again: the first of each kind that fits
+    alone (a larger TP x PP, smaller micro-batches, actor.offload, a smaller vLLM share or KV cache,
+    shorter completions); when none does alone, the smallest combination of layout and micro-batch
+    budget that does, and otherwise the closest tries."""
+    tried: list[tuple[dict[str, Any], Estimate]] = []
+
+    def attempt(changes: dict[str, Any]) -> Estimate | None:
+        if any(changes == c for c, _ in tried):
+            return next(r for c, r in tried if c == changes)
+        result = _try(cfg, changes, shapes, gpu_mem, host)
+        if result is not None:
+            tried.append((changes, result))
+        return result
+
+    shape = shapes.policy
+    tp, pp = cfg.actor.parallel.tensor_parallel, cfg.actor.parallel.pipeline_parallel
+    w = world_size(cfg)
+    # a larger TP x PP: weights, gradients and Adam states per GPU shrink with it
+    layouts = [(tp, p) for p in range(pp + 1, shape.num_layers + 1)
+               if shape.num_layers % p == 0 and w % (tp * p) == 0]
+    layouts += [(t, pp) for t in range(tp + 1, cfg.trainer.workers_per_node + 1)
+                if shape.num_heads % t == 0 and shape.num_kv_heads % t == 0 and w % (t * pp) == 0]
+    for new_tp, new_pp in layouts:
+        r = attempt(_layout_changes(cfg, new_tp, new_pp))
+        if r is not None and r.fits:
+            break
+
+    def token_changes(tokens: int) -> dict[str, Any]:
+        changes: dict[str, Any] = {"actor.micro_batch_tokens": tokens}
+        if critic_enabled(cfg):
+            changes["critic.micro_batch_tokens"] = min(tokens, cfg.critic.micro_batch_tokens)
+        return changes
+
+    # smaller micro-batches: the activations shrink with them
+    ladder = _token_ladder(cfg.actor.micro_batch_tokens, est.kv.sequence_tokens)
+    for tokens in ladder:
+        r = attempt(token_changes(tokens))
+        if r is not None and r.fits:
+            break
+    if est.device == "gpu" and not cfg.actor.offload:
+        attempt({"actor.offload": True})
+    if est.device == "gpu":
+        util = round(cfg.rollout.gpu_memory_utilization - 0.05, 2)
+        while util >= 0.05:
+            r = attempt({"rollout.gpu_memory_utilization": util})
+            if r is not None and r.fits:
+                break
+            util = round(util - 0.05, 2)
+    elif est.kv.nbytes > GIB // 4:
+        attempt({"rollout.cpu_kv_cache_gib": round(est.kv.nbytes / GIB / 2, 3)})
+    if est.kv.sequences < 1:
+        new = cfg.rollout.max_new_tokens // 2
+        while new >= 16:
+            r = attempt({"rollout.max_new_tokens": new})
+            if r is not None and r.fits:
+                break
+            new //= 2
+    out: list[str] = []
+    seen: set[str] = set()
+    for changes, r in tried:
+        kind = "layout" if "parallel" in next(iter(changes)) else next(iter(changes))
+        if r.fits and kind not in seen:
+            seen.add(kind)
+            out.append(_describe_try(changes, r))
+    if out:
+        return out
+    # nothing alone: the smallest layout change that fits with the largest micro-batch budget
+    for new_tp, new_pp in [(tp, pp)] + layouts:
+        for tokens in ladder:
+            changes = {**(_layout_changes(cfg, new_tp, new_pp) if (new_tp, new_pp) != (tp, pp) else {}),
+                       **token_changes(tokens)}
+            r = attempt(changes)
+            if r is not None and r.fits:
+                return [_describe_try(changes, r) + " (no single change fits)"]
+    closest = sorted(tried, key=lambda cr: cr[1].peak.total)[:3]
+    return [_describe_try(c, r) for c, r in closest] + [
+        "nothing tried fits: use GPUs with more memory, or more nodes with a larger TP x PP; more nodes alone do "
+        "not help (per-GPU memory does not depend on DP: the optimizer is not distributed)"]
+
+
+# -- measured vs estimated ------------------------------------------------------------------------
+def compare_with_run(est: Estimate, run_dir: str | Path) -> list[str]:
+    """The estimate next to what a run measured, step by step (metrics.jsonl: memory/rss_gb_max, the
+    largest peak resident set over the workers; on GPU also memory/cuda_reserved_gb_max). Raises
+    FileNotFoundError when the run has no such metrics."""
+    from hpcrl.trainer.metrics import read_metrics
+
+    records = [r for r in read_metrics(run_dir) if "memory/rss_gb_max" in r]
+    if not records:
+        raise FileNotFoundError(f"{Path(run_dir) / 'metrics.jsonl'}: no step with memory/rss_gb_max")
+    gpu = est.device == "gpu"
+    key = "memory/cuda_reserved_gb_max" if gpu else "memory/rss_gb_max"
+    estimate_gb = est.peak.total / GB
+    in_gib = f" = {est.peak.total / GIB:.2f} GiB" if gpu else ""
+    lines = [f"measured vs estimated ({key}, GB = 1e9 bytes; estimate: peak phase {est.peak.name} "
+             f"{estimate_gb:.2f} GB{in_gib})"]
+    ratios = []
+    for r in records:
+        if key not in r:
+            continue
+        measured = float(r[key])
+        ratios.append((int(r.get("step", 0)), measured / estimate_gb))
+        lines.append(f"  step {int(r.get('step', 0)):>4}: measured {measured:.2f} GB, estimated {estimate_gb:.2f} GB, "
+                     f"measured / estimated {measured / estimate_gb:.2f}")
+    steady = [x for s, x in ratios if s >= 2] or [x for _, x in ratios]
+    if steady:
+        steady.sort()
+        lines.append(f"  median measured / estimated over steps >= 2: {steady[len(steady) // 2]:.2f}")
+    return lines
+
+
+# -- the command ----------------------------------------------------------------------------------
+@dataclass
+class _Inputs:
+    """What a plan needs besides the config: the models' shapes and the memory to compare with."""
+
+    shapes: RoleShapes
+    model_lines: list[str]
+    device: str
+    gpu_mem: int | None
+    gpu_mem_note: str
+    host: tuple[int | None, str]
+
+
+def _inputs(cfg: DictConfig, args: argparse.Namespace) -> _Inputs:
+    """Raises ModelConfigError when the policy's config.json cannot be read."""
+    shapes, model_lines = read_shapes(cfg, getattr(args, "model_config", None))
+    asked = getattr(args, "gpu_mem", None)
+    device = plan_device(cfg, gpu_asked=asked is not None or getattr(args, "gpus_per_node", None) is not None)
+    gpu_mem, note = None, ""
+    if device == "gpu":
+        gpu_mem = int((asked if asked is not None else 80.0) * GIB)
+        note = "" if asked is not None else " (assumed: pass --gpu-mem)"
+    host = host_memory(cfg) if device == "cpu" else (None, "")
+    return _Inputs(shapes, model_lines, device, gpu_mem, note, host)
+
+
+def _read_inputs(cfg: DictConfig, args: argparse.Namespace) -> _Inputs | int:
+    """The inputs, or the exit status after saying why there are none: an unreadable --model-config
+    is an invalid argument; a model.path that is not here only means no memory plan (as with
+    --skip-path-checks, the layouts were still planned)."""
+    try:
+        return _inputs(cfg, args)
+    except ModelConfigError as e:
+        if getattr(args, "model_config", None):
+            print(f"hpcrl plan: --model-config: {e}", file=sys.stderr)
+            return EXIT_INVALID
+        print("\nmemory      not planned: the model's config.json is not here (pass --model-config PATH; stderr says "
+              "more)")
+        print(f"hpcrl plan: no memory plan: {e}", file=sys.stderr)
+        return EXIT_FITS
+
+
+def placeable_layouts(cfg: DictConfig, shape: ModelShape) -> list[tuple[int, int]]:
+    """(TP, PP) layouts a Megatron role can take on the config's workers: TP within a node and
+    dividing the heads and KV heads, PP dividing the layers, TP x PP dividing the workers; the
+    largest TP x PP first (the least memory per GPU)."""
+    w = world_size(cfg)
+    out = [(t, p) for t in range(1, cfg.trainer.workers_per_node + 1) for p in range(1, shape.num_layers + 1)
+           if shape.num_heads % t == 0 and shape.num_kv_heads % t == 0 and shape.num_layers % p == 0
+           and w % (t * p) == 0]
+    return sorted(out, key=lambda tp_pp: (-tp_pp[0] * tp_pp[1], -tp_pp[0]))
+
+
+def best_placeable(cfg: DictConfig, inputs: _Inputs) -> str | None:
+    """On a world where the config's layout cannot be placed: the plan of the largest layouts that
+    can (with smaller micro-batches when that is what it takes), one line."""
+    layouts = placeable_layouts(cfg, inputs.shapes.policy)[:3]
+    if not layouts:
+        return None
+    ladder = [cfg.actor.micro_batch_tokens] + _token_ladder(cfg.actor.micro_batch_tokens,
+                                                            cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
+    best: tuple[dict[str, Any], Estimate] | None = None
+    for tp, pp in layouts:
+        for tokens in ladder:
+            changes = {**_layout_changes(cfg, tp, pp), "actor.micro_batch_tokens": tokens}
+            if critic_enabled(cfg):
+                changes["critic.micro_batch_tokens"] = min(tokens, cfg.critic.micro_batch_tokens)
+            r = _try(cfg, changes, inputs.shapes, inputs.gpu_mem, inputs.host)
+            if r is None:
+                continue
+            if r.fits:
+                return "the largest layouts that do place, planned: " + _describe_try(changes, r)
+            if best is None or r.peak.total < best[1].peak.total:
+                best = (changes, r)
+    return None if best is None else "the largest layouts that do place, planned: " + _describe_try(*best)
+
+
+def memory_plan(cfg: DictConfig, args: argparse.Namespace, change: ClusterChange) -> int:
+    """Print the memory plan of a validated config (after the layouts `hpcrl plan` prints); the
+    exit status."""
+    inputs = _read_inputs(cfg, args)
+    if isinstance(inputs, int):
+        return inputs
+    shapes, model_lines, device = inputs.shapes, inputs.model_lines, inputs.device
+    gpu_mem, gpu_mem_note, host = inputs.gpu_mem, inputs.gpu_mem_note, inputs.host
+    est = estimate(cfg, shapes, gpu_mem, host[0], host[1])
+    w = world_size(cfg)
+    print()
+    if device == "gpu":
+        print(f"memory plan (docs/planner.md): {cfg.trainer.nnodes} node(s) x {cfg.trainer.workers_per_node} GPU(s) "
+              f"= {w} workers, {gpu_mem / GIB:g} GiB per GPU{gpu_mem_note}")
+    else:
+        print(f"memory plan (docs/planner.md): {cfg.trainer.nnodes} node(s) x {cfg.trainer.workers_per_node} CPU "
+              f"worker process(es) = {w} workers")
+    for note in change.notes:
+        print(f"note        {note}")
+    for line in model_lines:
+        print(line)
+    precision = (f"{est.dtype} weights" + ("; fp32 master weights and fp32 gradient buffers" if est.dtype == "bf16"
+                                           else "; fp32 gradients while updating") + "; Adam moments 2 x fp32")
+    print(f"precision   {precision}")
+    kept = (f"{est.micro_batches_in_flight} kept at once on stage {est.stage} (1F1B)" if est.pipeline_stages > 1
+            else "one at a time (no pipeline)")
+    print(f"activations micro-batches of {est.micro_batch_tokens} tokens (actor), {kept}; no activation recompute "
+          "(the schema has no key for it)")
+    for line in format_estimate(est):
+        print(line)
+    suggestions = suggest(cfg, est, shapes, gpu_mem, host) if est.fits is False else []
+    for line in verdict_lines(est, suggestions):
+        print(line)
+    status = EXIT_DOES_NOT_FIT if est.fits is False else EXIT_FITS
+    if getattr(args, "compare", None):
+        try:
+            for line in compare_with_run(est, args.compare):
+                print(line)
+        except FileNotFoundError as e:
+            print(f"hpcrl plan: --compare: {e}", file=sys.stderr)
+            return EXIT_NO_METRICS
+    return status

@@ -1,0 +1,253 @@
+"""The memory planner (hpcrl.plan, `hpcrl plan`): the per-term arithmetic against numbers worked
+out by hand from the formulas in docs/planner.md, the verdicts and exit statuses of the command.
+
+Fast: no MPI, no torch; the subprocess tests run the `hpcrl` command (about a second each).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+from conftest import HPCRL, REPO, SMOLLM2, TINY_MODEL, run
+
+from hpcrl.config import load_config, validate
+from hpcrl.plan import RoleShapes, estimate, read_model_shape
+from hpcrl.plan.memory import CPU_PROCESS_OVERHEAD_BYTES, GIB, GPU_RUNTIME_RESERVE_BYTES
+from hpcrl.plan.shape import megatron_shard_params, shape_from_hf_config, vllm_shard_params
+
+TINY = "configs/grpo_tiny.yaml"
+PPO_70B = "configs/ppo_70b.yaml"
+LLAMA3_70B = REPO / "configs" / "models" / "llama3-70b.json"
+
+
+def safetensors_numel(path) -> int:
+    """Elements of every tensor in a .safetensors file, from its JSON header (no torch)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    total = 0
+    for name, meta in header.items():
+        if name != "__metadata__":
+            numel = 1
+            for d in meta["shape"]:
+                numel *= d
+            total += numel
+    return total
+
+
+# Tiny Qwen2 (models/tiny-qwen2/config.json): hidden 128, 2 layers, 4 heads / 2 KV heads of 32,
+# FFN 512, vocab 512, tied embeddings, q/k/v biases. By hand, one layer: q 128x128 + k 128x64 +
+# v 128x64 + o 128x128 = 49152, biases 128 + 64 + 64 = 256, MLP 3 x 128 x 512 = 196608, two norms
+# 256: 246272. Model: embedding 512 x 128 = 65536 + 2 layers + final norm 128 = 558208.
+TINY_LAYER_PARAMS = 49152 + 256 + 196608 + 256
+TINY_PARAMS = 65536 + 2 * TINY_LAYER_PARAMS + 128
+# the shape keys of the config.json `make models` writes for models/tiny-qwen2 (tools/), for when it
+# is not built yet
+TINY_HF = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 128, "intermediate_size": 512,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
+           "tie_word_embeddings": True, "max_position_embeddings": 1024}
+
+
+def tiny_shape():
+    """models/tiny-qwen2's shape: from its config.json when built, else from TINY_HF."""
+    if TINY_MODEL.exists():
+        shape = read_model_shape(TINY_MODEL)
+        assert shape == shape_from_hf_config(TINY_HF, shape.source)
+        return shape
+    return shape_from_hf_config(TINY_HF, "TINY_HF")
+
+
+def test_tiny_parameter_count_by_hand_and_from_the_weights() -> None:
+    shape = tiny_shape()
+    assert shape.layer_params() == TINY_LAYER_PARAMS == 246272
+    assert shape.total_params() == TINY_PARAMS == 558208
+    weights = TINY_MODEL / "model.safetensors"
+    if weights.exists():
+        assert safetensors_numel(weights) == TINY_PARAMS
+    if (SMOLLM2 / "model.safetensors").exists():
+        assert read_model_shape(SMOLLM2).total_params() == safetensors_numel(SMOLLM2 / "model.safetensors")
+
+
+def test_llama3_70b_shape_and_shards_by_hand() -> None:
+    shape = read_model_shape(LLAMA3_70B)
+    # one layer: q and o 8192 x 8192 each, k and v 8192 x 1024 each, MLP 3 x 8192 x 28672, 2 norms
+    layer = 2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192
+    assert shape.layer_params() == layer == 855_654_400
+    assert shape.total_params() == 2 * 128256 * 8192 + 80 * layer + 8192 == 70_553_706_496
+    # TP=8 PP=8, stage 0: 10 layers with the linear weights split 8 ways and the norms replicated,
+    # plus an eighth of the embedding
+    stage0 = 10 * ((layer - 2 * 8192) // 8 + 2 * 8192) + 128256 // 8 * 8192
+    assert megatron_shard_params(shape, 8, 8, 0) == stage0 == 1_201_045_504
+    # the last stage: the final norm and an eighth of the LM head instead of the embedding; a
+    # critic's value head (hidden + 1) instead of the LM head
+    assert megatron_shard_params(shape, 8, 8, 7) == stage0 + 8192
+    assert megatron_shard_params(shape, 8, 8, 7, head="value") == stage0 - 128256 // 8 * 8192 + 8192 + 8193
+    # vLLM at rollout TP=8: one KV head per rank; vocabulary already a multiple of 64
+    assert vllm_shard_params(shape, 8, separate_lm_head=False) == (
+        80 * (8192 * (1024 + 2 * 128) + 1024 * 8192 + 3 * 8192 * 28672 // 8 + 2 * 8192) + 8192 + 2 * 16032 * 8192)
+
+
+def test_shards_add_up_to_the_model() -> None:
+    """Summed over TP ranks and stages, the shards are the model plus what Megatron replicates: the
+    norms on every TP rank, and with tied embeddings and PP > 1 the last stage's copy of the embedding."""
+    shape = tiny_shape()
+    h, layers = shape.hidden_size, shape.num_layers
+    for tp, pp in [(1, 1), (2, 1), (1, 2), (2, 2)]:
+        total = tp * sum(megatron_shard_params(shape, tp, pp, s) for s in range(pp))
+        replicated_norms = (tp - 1) * (2 * h * layers + h)
+        tied_copy = tp * (shape.vocab_size // tp * h) if pp > 1 else 0
+        assert total == shape.total_params() + replicated_norms + tied_copy, (tp, pp)
+
+
+def test_tiny_cpu_terms_by_hand() -> None:
+    """grpo_tiny (CPU, fp32, actor TP=2 on 4 workers, rollout TP=1), each term worked out by hand."""
+    cfg = load_config(REPO / TINY)
+    validate(cfg, check_paths=False)
+    est = estimate(cfg, RoleShapes(policy=tiny_shape()), host_mem_bytes=3 << 30, host_mem_source="test")
+    phases = {p.name: p.terms for p in est.phases}
+    assert list(phases) == ["rollout", "reshard", "forward", "update actor", "optimizer step"]
+    # TP=2 shard: 2 layers of (246272 - 256 replicated norm weights) / 2 + 256, half the embedding
+    # (tied: one weight at PP=1), the final norm
+    shard = 2 * ((TINY_LAYER_PARAMS - 256) // 2 + 256) + 512 // 2 * 128 + 128
+    assert shard == 279424
+    update = phases["update actor"]
+    assert update["actor weights (fp32)"] == 4 * shard
+    assert update["actor gradients (fp32 .grad)"] == 4 * shard
+    assert update["actor Adam moments (2 x fp32)"] == 8 * shard
+    assert "actor gradients (fp32 .grad)" not in phases["rollout"]  # dropped after each optimizer step
+    # micro-batch: max(actor.micro_batch_tokens 2048, a full sequence 128 + 16) = 2048 tokens; one in
+    # flight (PP=1); per token and layer 4h + (2 q_dim + 2 kv_dim) / tp + 4 I / tp (unfused gate on CPU)
+    per_token_layer = 4 * 128 + (2 * 128 + 2 * 64) // 2 + 4 * 512 // 2
+    assert update["activations kept for backward"] == 2048 * 2 * per_token_layer * 4 == 28_311_552
+    assert update["working set of one layer"] == 2048 * (5 * 128 + 3 * 512 // 2) * 4
+    # logits at (at most) every position of the micro-batch, over half the vocabulary: the fp32 output
+    # and its fp32 / temperature copy
+    assert update["logits at response positions"] == 2048 * 256 * (4 + 4)
+    assert update["process: torch+megatron+vLLM (measured)"] == CPU_PROCESS_OVERHEAD_BYTES
+    # vLLM: the whole model in fp32 (rollout TP=1) with its own LM head on CPU
+    assert phases["rollout"]["vLLM weights (rollout TP=1)"] == 4 * (TINY_PARAMS + 512 * 128)
+    # KV cache, hpcrl.workers.actor_rollout's rule: 8 samples per replica (32 / 4 replicas; validation
+    # 32 / 4 too) x 256 tokens (144 rounded up to 128-token blocks) x 1024 bytes a token (2 layers x
+    # K and V x 2 KV heads x 32 x 4 bytes) x 1.25 = 2.5 MiB, below the floor of 1/16 GiB
+    assert est.kv.bytes_per_token == 2 * 2 * 2 * 32 * 4
+    assert phases["rollout"]["vLLM KV cache"] == GIB // 16
+    # the optimizer step: DP=2 all-reduces a flat fp32 copy of the gradients
+    assert phases["optimizer step"]["grad all-reduce copy / Adam temporaries"] == 4 * shard
+    assert est.peak.name == "rollout"
+
+
+def test_smollm2_kv_cache_matches_the_recipe_comment() -> None:
+    if not SMOLLM2.exists():
+        pytest.skip("models/smollm2-135m-instruct not built (make models)")
+    cfg = load_config(REPO / "configs" / "grpo_smollm2.yaml")
+    est = estimate(cfg, RoleShapes(policy=read_model_shape(SMOLLM2)))
+    # 32 validation prompts per replica x 384 tokens (320 in 128-token blocks) x 46080 bytes a token
+    # (30 layers x K and V x 3 KV heads x 64 x 4 bytes) x 1.25 = 0.66 GiB (configs/grpo_smollm2.yaml)
+    assert est.kv.nbytes == int(1.25 * 32 * 384 * 30 * 2 * 3 * 64 * 4)
+    assert round(est.kv.nbytes / GIB, 2) == 0.66
+    assert est.fits is None  # no memory size given: no verdict
+
+
+def test_gpu_terms_by_hand_70b_32_nodes() -> None:
+    cfg = load_config(REPO / PPO_70B)
+    validate(cfg, check_paths=False)
+    est = estimate(cfg, RoleShapes(policy=read_model_shape(LLAMA3_70B)), gpu_mem_bytes=80 * GIB)
+    assert (est.stage, est.pipeline_stages, est.dtype) == (0, 8, "bf16")
+    phases = {p.name: p.terms for p in est.phases}
+    stage0 = 1_201_045_504
+    update = phases["update actor"]
+    # 18 bytes a parameter for each trained role: bf16 weights, fp32 main_grad, fp32 masters, Adam 2 x fp32
+    for role in ("actor", "critic"):
+        assert update[f"{role} weights (bf16)"] == 2 * stage0
+        assert update[f"{role} gradients (fp32 main_grad)"] == 4 * stage0
+        assert update[f"{role} master weights (fp32)"] == 4 * stage0
+        assert update[f"{role} Adam moments (2 x fp32)"] == 8 * stage0
+    assert update["reference weights (bf16)"] == 2 * stage0
+    # 1F1B: stage 0 of 8 keeps 8 micro-batches of 4096 tokens over its 10 layers; per token and layer
+    # 4h + (2 q_dim + 2 kv_dim) / 8 + 3 I / 8 elements (fused gate on GPU), 2 bytes each
+    per_token_layer = 4 * 8192 + (2 * 8192 + 2 * 1024) // 8 + 3 * 28672 // 8
+    assert update["activations kept for backward"] == 8 * 10 * 4096 * per_token_layer * 2
+    assert update["CUDA context, NCCL, cuBLAS (assumed)"] == GPU_RUNTIME_RESERVE_BYTES
+    # while generating the actor is in host memory (actor.offload: true)
+    assert not any(k.startswith("actor ") for k in phases["rollout"])
+    # vLLM's rule: KV = 0.6 x 80 GiB - weights - activation reserve
+    rollout = phases["rollout"]
+    assert rollout["vLLM KV cache"] == int(0.6 * 80 * GIB - rollout["vLLM weights (rollout TP=8)"]
+                                           - rollout["vLLM activation reserve"])
+    assert est.kv.bytes_per_token == 80 * 2 * 1 * 128 * 2
+    assert est.kv.sequences >= 1
+    assert est.fits and est.peak.total <= 80 * GIB
+
+
+def _plan(*options: str, overrides: tuple[str, ...] = ()):
+    """`hpcrl plan` of the 70B recipe with the Llama-3-70B shape (overrides follow the config)."""
+    return run([HPCRL, "plan", PPO_70B, *overrides, "--skip-path-checks", "--model-config", str(LLAMA3_70B),
+                *options])
+
+
+def test_cli_70b_fits_on_32_nodes_and_not_on_4() -> None:
+    r = _plan("--nodes", "32", "--gpus-per-node", "8", "--gpu-mem", "80")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "verdict     fits" in r.stdout and "llama3-70b.json (--model-config)" in r.stdout
+    assert "GiB per GPU, pipeline stage 0 of 8" in r.stdout and "peak        update actor" in r.stdout
+    assert "holds at least one full sequence" in r.stdout
+
+    r = _plan("--nodes", "4", "--gpus-per-node", "8", "--gpu-mem", "80")
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "does not fit on 4 node(s)" in r.stdout
+    # the recipe's data_parallel cross-check is named, and the layout problem with its keys
+    assert "actor.parallel.data_parallel=4" in r.stdout and "actor.parallel.pipeline_parallel=8" in r.stdout
+    assert "--nodes 8" in r.stdout  # the fewest that place TP=8 x PP=8
+    assert "does not fit" in r.stdout.splitlines()[-1]  # the largest layout that 32 GPUs can take does not either
+
+
+def test_cli_data_parallel_is_re_derived_for_other_node_counts() -> None:
+    r = _plan("--nodes", "16", "--gpu-mem", "80")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "actor.parallel.data_parallel=4 is for the recipe's 256 workers; re-derived as 2" in r.stdout
+    assert "actor       TP=8 PP=8 DP=2" in r.stdout
+
+
+def test_cli_does_not_fit_names_what_to_change() -> None:
+    # the recipe's earlier settings: PP=4 and 16384-token micro-batches
+    r = _plan("--gpu-mem", "80", overrides=(
+        "actor.parallel.pipeline_parallel=4", "actor.parallel.data_parallel=8", "critic.parallel.pipeline_parallel=4",
+        "critic.parallel.data_parallel=8", "actor.micro_batch_tokens=16384", "critic.micro_batch_tokens=16384"))
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "verdict     does not fit: update actor needs" in r.stdout
+    assert "what to change" in r.stdout and "actor.parallel.pipeline_parallel=8" in r.stdout
+    assert "actor.micro_batch_tokens=" in r.stdout
+
+
+@pytest.mark.parametrize("bad", ["0", "-80", "abc", "nan", "inf"])
+def test_cli_refuses_a_bad_gpu_mem(bad: str) -> None:
+    r = _plan("--gpu-mem", bad)
+    assert r.returncode == 2
+    assert "argument --gpu-mem: must be the memory of one GPU in GiB" in r.stderr and repr(bad) in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_cli_missing_model_config_says_to_pass_model_config() -> None:
+    r = run([HPCRL, "plan", PPO_70B, "--skip-path-checks"])  # /models/... is not on this machine
+    assert r.returncode == 0 and "MPI world of 257" in r.stdout  # the layouts are still planned
+    assert "no memory plan" in r.stderr and "pass --model-config PATH" in r.stderr
+    r = _plan("--model-config", "/nonexistent/config.json")
+    assert r.returncode == 2 and "--model-config: /nonexistent/config.json: no such file" in r.stderr
+
+
+def test_cli_compare_with_a_run(tmp_path) -> None:
+    if not SMOLLM2.exists():
+        pytest.skip("models/smollm2-135m-instruct not built (make models)")
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for step, gb in enumerate([4.6, 4.3, 4.4, 4.35, 4.4], start=1):
+            f.write(json.dumps({"step": step, "memory/rss_gb_max": gb}) + "\n")
+    r = run([HPCRL, "plan", "configs/grpo_smollm2.yaml", "--compare", str(tmp_path)])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "measured vs estimated (memory/rss_gb_max" in r.stdout
+    assert "step    2: measured 4.30 GB" in r.stdout and "median measured / estimated over steps >= 2" in r.stdout
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = run([HPCRL, "plan", "configs/grpo_smollm2.yaml", "--compare", str(empty)])
+    assert r.returncode == 1 and "no step with memory/rss_gb_max" in r.stderr
