@@ -208,3 +208,22 @@ def test_the_run_stops_after_max_nonfinite_steps_in_a_row() -> None:
     assert nonfinite_limit_reached(cfg, {"actor/nonfinite_steps_in_a_row": 0.0, "critic/nonfinite_steps_in_a_row": 4.0})
     assert not nonfinite_limit_reached(OmegaConf.create({"trainer": {"max_nonfinite_steps": 0}}),
                                        {"actor/nonfinite_steps_in_a_row": 9.0})
+
+
+def test_gradient_square_sum_matches_float64_at_fp32_speed() -> None:
+    """The clip norm's sum of squares (engine.square_sum) equals a float64 computation, where one fp32
+    norm over a tensor as large as an output layer is off by far more than float rounding."""
+    import torch
+
+    from hpcrl.engines.megatron.engine import square_sum
+
+    g = torch.Generator().manual_seed(0)
+    for shape in [(49152, 576), (1000, 3), (7,)]:  # the demo model's output layer, an odd tail, a tiny one
+        t = torch.randn(shape, generator=g) * 1e-3
+        exact = float(t.double().square().sum())
+        assert abs(float(square_sum(t)) - exact) <= 1e-7 * exact, shape
+    big = torch.randn(49152, 576, generator=g) * 1e-3
+    exact = float(big.double().square().sum())
+    one_fp32_norm = float(torch.linalg.vector_norm(big)) ** 2
+    assert abs(one_fp32_norm - exact) > 1e-5 * exact  # what square_sum avoids (measured 7e-4 here)
+    assert float(square_sum(torch.ones(2, 3, dtype=torch.bfloat16))) == 6.0

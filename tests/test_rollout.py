@@ -57,7 +57,7 @@ def test_vllm_logprobs_match_actor_after_each_reshard(checks: dict, scenario: st
     assert s["gap_after_reshard_2"] < 1e-4, s
     # the phase switch around it: vLLM sleeps on GPU (weights to host, KV cache freed) and on CPU
     # frees both (hpcrl.engines.vllm.cpu_sleep); the gap after reshard 2 above shows that the
-    # reload gave back every weight. The trainer is offloaded only from GPUs.
+    # reload gave back every weight. The trainer is offloaded (actor.offload=true here) only from GPUs.
     on_gpu = torch.cuda.is_available()
     e = s["enter_training"]
     assert e["rollout_slept"] and e["trainer_onloaded"] == on_gpu, e

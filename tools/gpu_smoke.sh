@@ -65,7 +65,7 @@ if [[ ${SKIP_VLLM:-0} != 1 ]] && "$VENV/bin/python" -c "import vllm" 2>/dev/null
   rm -rf "$run_dir"
   log "GRPO: 3 bf16 steps on SmolLM2-135M, $ngpu GPU worker(s), rollout with sleep/wake and offload"
   HF_HUB_OFFLINE=1 "$VENV/bin/hpcrl" run configs/grpo_smollm2.yaml model.dtype=bf16 trainer.device=cuda \
-    trainer.workers_per_node="$ngpu" trainer.total_steps=3 trainer.val_every=0 actor.old_logprob=recompute \
+    trainer.workers_per_node="$ngpu" trainer.total_steps=3 trainer.val_every=0 actor.old_logprob=recompute actor.offload=true \
     trainer.run_dir="$run_dir" checkpoint.save_every=0 logging.tensorboard=false || rc=$?
   "$VENV/bin/python" - "$run_dir/metrics.jsonl" <<'PY' || rc=$?
 import json, sys

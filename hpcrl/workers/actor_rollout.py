@@ -27,7 +27,7 @@ import torch
 from hpcrl.controller import Collect, Dispatch, register
 from hpcrl.controller.batch import Batch, even_sizes
 from hpcrl.engines.reshard import naive_reshard, reshard_to_rollout
-from hpcrl.engines.vllm.engine import Completion, RolloutEngine, SamplingSettings
+from hpcrl.engines.vllm.engine import CPU_BLOCK_SIZE, Completion, RolloutEngine, SamplingSettings
 from hpcrl.workers.megatron_roles import MegatronRole
 
 log = logging.getLogger(__name__)
@@ -35,13 +35,14 @@ log = logging.getLogger(__name__)
 
 def cpu_kv_cache_gib_needed(arch: Any, cfg: dict[str, Any], dtype_bytes: int) -> float:
     """KV cache (GiB per worker) that holds, at full length (max_prompt_length + max_new_tokens,
-    rounded up to vLLM's 128-token CPU blocks), every sample one rollout replica generates in a step,
+    rounded up to whole KV blocks), every sample one rollout replica generates in a step,
     or one validation batch's share, with a quarter to spare; at least 1/16 GiB. Too small only
     costs time (vLLM queues the requests that do not fit), too big only memory."""
     r, d = cfg["rollout"], cfg["data"]
     replicas = max(cfg["trainer"]["nnodes"] * cfg["trainer"]["workers_per_node"] // r["tensor_parallel"], 1)
     seqs = max(-(-d["train_batch_size"] * r["n"] // replicas), -(-d["val_batch_size"] // replicas))
-    tokens = seqs * -(-(d["max_prompt_length"] + r["max_new_tokens"]) // 128) * 128
+    block = CPU_BLOCK_SIZE
+    tokens = seqs * -(-(d["max_prompt_length"] + r["max_new_tokens"]) // block) * block
     kv_heads = -(-arch.num_kv_heads // r["tensor_parallel"])
     per_token = arch.num_layers * 2 * kv_heads * arch.head_dim * dtype_bytes
     return max(1.25 * tokens * per_token / (1 << 30), 1 / 16)
@@ -54,6 +55,9 @@ class ActorRolloutRole(MegatronRole):
         super().__init__(cfg, role, model_path)
         r = cfg["rollout"]
         self.rollout_cfg = r
+        # actor.offload: the trainer's weights, gradients and optimizer state go to host memory while
+        # vLLM generates (GPU only; on CPU there is nowhere else to put them)
+        self.offload_trainer = bool(cfg["actor"]["offload"])
         engine_kwargs = dict(r.get("engine_kwargs") or {})
         # long enough for a prompt and its completion, and for teacher-forced checks of both
         engine_kwargs.setdefault("max_model_len", min(self.engine.arch.max_position_embeddings,
@@ -95,10 +99,10 @@ class ActorRolloutRole(MegatronRole):
     def enter_rollout(self, bucket_mb: float | None = None) -> dict[str, Any]:
         """Training -> rollout phase. The order matters for peak memory: wake vLLM's weight
         memory, push the actor's weights into it, move the trainer to host memory (GPU), and only
-        then give vLLM its KV cache back."""
+        then give vLLM its KV cache back (with actor.offload)."""
         self.rollout.wake_up(["weights"])
         stats = ActorRolloutRole.reshard_to_rollout(self, bucket_mb)
-        stats["trainer_offloaded"] = self.engine.offload()
+        stats["trainer_offloaded"] = self.offload_trainer and self.engine.offload()
         self.rollout.wake_up(["kv_cache"])
         return stats
 
@@ -107,7 +111,7 @@ class ActorRolloutRole(MegatronRole):
         """Rollout -> training phase: vLLM releases its memory (KV cache freed, weights to host on
         GPU, dropped on CPU: hpcrl.engines.vllm.cpu_sleep), the trainer comes back onto the GPU."""
         slept = self.rollout.sleep()
-        return {"rollout_slept": slept, "trainer_onloaded": self.engine.onload(),
+        return {"rollout_slept": slept, "trainer_onloaded": self.offload_trainer and self.engine.onload(),
                 "rollout_released_gb": sum(self.rollout.released.values()) / 1e9}
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)

@@ -79,7 +79,7 @@ def make_cfg(model: str, tp: int, pp: int, rollout_tp: int, lr: float) -> dict[s
         f"model.path={model}", f"actor.parallel.tensor_parallel={tp}", f"actor.parallel.pipeline_parallel={pp}",
         "actor.micro_batch_tokens=400", f"actor.optim.lr={lr}", "actor.optim.clip_grad=0.0",
         "actor.ppo_mini_batch_size=8", f"rollout.tensor_parallel={rollout_tp}", "rollout.weight_bucket_mb=4",
-        "rollout.max_new_tokens=24"])
+        "rollout.max_new_tokens=24", "actor.offload=true"])
     return OmegaConf.to_container(cfg, resolve=True)
 
 

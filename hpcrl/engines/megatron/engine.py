@@ -148,6 +148,19 @@ def thd_params(mb: PackedMicroBatch, device: Any):
                            max_seqlen_kv=longest)
 
 
+def square_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum of the squares of a tensor's entries, as a float64 scalar, at float32 speed: fp32 norms
+    of rows of 1024 entries (each accurate to float rounding), summed in float64. Why: a float64
+    copy of every gradient took 1.2 s per optimizer step for a 135M model on one core, and one fp32
+    norm over a 28M-entry tensor was off by 7e-4 (relative); this takes 0.07 s, off by ~1e-9."""
+    flat = t.detach().reshape(-1)
+    if flat.dtype not in (torch.float32, torch.float64):
+        flat = flat.float()
+    whole = flat.numel() // 1024 * 1024
+    rows = torch.linalg.vector_norm(flat[:whole].view(-1, 1024), dim=1).double().square().sum()
+    return rows + flat[whole:].double().square().sum()
+
+
 class MegatronEngine:
     """This rank's shard of one model (actor, reference or critic)."""
 
@@ -197,8 +210,11 @@ class MegatronEngine:
                 self.master = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
                 self._add_fp32_grad_buffers(params)
                 params = self.master
+            # fused: one pass over each tensor instead of one per arithmetic op (CPU and CUDA). On the
+            # demo model, one core: 0.92 s -> 0.18 s per optimizer step (measured), the same updates
+            # up to float rounding.
             self.optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, eps=optim.eps,
-                                               weight_decay=optim.weight_decay)
+                                               weight_decay=optim.weight_decay, fused=True)
 
     def _add_fp32_grad_buffers(self, params: list[torch.nn.Parameter]) -> None:
         """Low-precision models sum their micro-batch gradients into fp32 `main_grad` buffers (as
@@ -621,18 +637,18 @@ class MegatronEngine:
         """Sum gradients over DP, and tie the embedding's two copies when PP splits them."""
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
         params = [p for p in self.model.parameters() if p.requires_grad]
         for p in params:
             if self._grad(p) is None:
                 p.grad = torch.zeros_like(p)
         if self.dp_size > 1:
-            grads = [self._grad(p) for p in params]
-            flat = _flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=ps.get_data_parallel_group())
-            for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=False):
-                g.copy_(synced)
+            # Each gradient in place, all queued at once: no flat copy. A fresh flat buffer of the
+            # model's size is a model's worth of page faults per step on CPU: flattening the demo
+            # model's 540 MB of gradients took 1.5 s of its 2 workers' optimizer steps (py-spy).
+            group = ps.get_data_parallel_group()
+            for work in [dist.all_reduce(self._grad(p), group=group, async_op=True) for p in params]:
+                work.wait()
         if self.arch.tie_word_embeddings and self.pp_size > 1 and ps.is_rank_in_embedding_group():
             w = self.model.shared_embedding_or_output_weight()
             dist.all_reduce(self._grad(w), group=ps.get_embedding_group())
@@ -650,7 +666,7 @@ class MegatronEngine:
         for p in self.model.parameters():
             if self._grad(p) is None or p is tied_copy:
                 continue
-            sq = self._grad(p).detach().double().square().sum()
+            sq = square_sum(self._grad(p))
             if getattr(p, "tensor_model_parallel", False):
                 sharded += sq
             else:

@@ -25,6 +25,10 @@ import torch
 from hpcrl.engines import no_compile_on_cpu
 
 VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# KV block size on CPU: the smallest vLLM's CPU attention takes (multiples of 32). Prefix caching
+# shares whole blocks only, so with its default of 128 no prompt shorter than 128 tokens shared
+# anything between the samples of a prompt (see RolloutEngine.generate).
+CPU_BLOCK_SIZE = 32
 
 
 @dataclass
@@ -126,6 +130,7 @@ class RolloutEngine:
             kwargs["max_model_len"] = max_model_len
         if not torch.cuda.is_available():
             kwargs["kv_cache_memory_bytes"] = int(cpu_kv_cache_gib * (1 << 30))
+            kwargs["block_size"] = CPU_BLOCK_SIZE
         # GPU: sleep mode lets the trainer and the engine take turns with the device memory;
         # vLLM has no sleep mode on CPU, where hpcrl.engines.vllm.cpu_sleep does its part.
         if torch.cuda.is_available():
@@ -140,6 +145,9 @@ class RolloutEngine:
         self.dp_rank = rank // tensor_parallel
         self.dp_size = world // tensor_parallel
         self.llm = LLM(**kwargs)
+        cache = self.llm.llm_engine.vllm_config.cache_config
+        self.block_size = int(cache.block_size)
+        self.prefix_caching = bool(cache.enable_prefix_caching)
 
     # generation --------------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings,
@@ -155,6 +163,14 @@ class RolloutEngine:
         # sample j - 1 of prompt i + 1.) The prompt's KV blocks are still shared through vLLM's
         # prefix cache, as they would be for the children of an n > 1 request.
         n = sampling.n
+        if n > 1 and self.prefix_caching and any(len(p) >= self.block_size for p in prompts):
+            # Each prompt once first (greedy, one token, discarded), so that its full KV blocks are
+            # in the prefix cache when its n samples are scheduled: the samples then compute only
+            # the prompt's last partial block. Without this, the n requests of a prompt, scheduled
+            # together, each computed the whole prompt (nothing is cached before a step ends). The
+            # demo (4 prompts x 4 samples of ~66 tokens, one engine alone): 18.5 -> 16.3 s.
+            self.llm.generate([{"prompt_token_ids": list(map(int, p))} for p in prompts],
+                              SamplingParams(n=1, temperature=0.0, max_tokens=1), use_tqdm=False)
         requests, params = [], []
         for i, p in enumerate(prompts):
             for j in range(n):
