@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from hpcrl import __version__
 from hpcrl.config import (
     ConfigError,
+    is_dpo,
     load_config,
     reference_enabled,
     role_layouts,
@@ -67,15 +68,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for role, lay in role_layouts(cfg).items():
         note = " (colocated with the actor)" if role == "reference" and cfg.reference.parallel is None else ""
         lines.append(f"{role:<11} {lay}{note}")
-    r = rollout_layout(cfg)
-    lines.append(f"rollout     TP={r.tp} DP={r.dp}: {r.dp} vLLM engine(s) of {r.tp} rank(s) each")
-    samples = cfg.data.train_batch_size * cfg.rollout.n
-    n_mb = samples // cfg.actor.ppo_mini_batch_size
-    lines.append(f"per step    {cfg.data.train_batch_size} prompts x {cfg.rollout.n} samples = {samples} samples; "
-                 f"actor: {n_mb} mini-batch(es) x {cfg.actor.ppo_epochs} epoch(s) = "
-                 f"{n_mb * cfg.actor.ppo_epochs} optimizer step(s)")
-    lines.append(f"algorithm   {cfg.algorithm.adv_estimator} advantages, {cfg.algorithm.policy_loss} loss, "
-                 f"reference {'on' if reference_enabled(cfg) else 'off'}")
+    if is_dpo(cfg):
+        d = cfg.algorithm.dpo
+        lines.append(f"per step    {cfg.data.train_batch_size} preference pairs = {2 * cfg.data.train_batch_size} "
+                     "sequences; one optimizer step")
+        lines.append(f"algorithm   dpo ({d.loss_type} loss, beta {d.beta:g}, label smoothing {d.label_smoothing:g}), "
+                     "reference on, no rollout engine")
+    else:
+        r = rollout_layout(cfg)
+        lines.append(f"rollout     TP={r.tp} DP={r.dp}: {r.dp} vLLM engine(s) of {r.tp} rank(s) each")
+        samples = cfg.data.train_batch_size * cfg.rollout.n
+        n_mb = samples // cfg.actor.ppo_mini_batch_size
+        lines.append(f"per step    {cfg.data.train_batch_size} prompts x {cfg.rollout.n} samples = {samples} samples; "
+                     f"actor: {n_mb} mini-batch(es) x {cfg.actor.ppo_epochs} epoch(s) = "
+                     f"{n_mb * cfg.actor.ppo_epochs} optimizer step(s)")
+        lines.append(f"algorithm   {cfg.algorithm.adv_estimator} advantages, {cfg.algorithm.policy_loss} loss, "
+                     f"reference {'on' if reference_enabled(cfg) else 'off'}")
     if not args.skip_path_checks:
         hf = read_hf_config(cfg.model.path)
         arch = (hf.get("architectures") or ["?"])[0]

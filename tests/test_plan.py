@@ -129,12 +129,13 @@ def test_tiny_cpu_terms_by_hand() -> None:
     # vLLM: the whole model in fp32 (rollout TP=1) with its own LM head on CPU
     assert phases["rollout"]["vLLM weights (rollout TP=1)"] == 4 * (TINY_PARAMS + 512 * 128)
     # KV cache, hpcrl.workers.actor_rollout's rule: 8 samples per replica (32 / 4 replicas; validation
-    # 32 / 4 too) x 256 tokens (144 rounded up to 128-token blocks) x 1024 bytes a token (2 layers x
-    # K and V x 2 KV heads x 32 x 4 bytes) x 1.25 = 2.5 MiB, below the floor of 1/16 GiB
+    # 32 / 4 too) x 160 tokens (144 rounded up to 32-token blocks) x 1024 bytes a token (2 layers x
+    # K and V x 2 KV heads x 32 x 4 bytes) x 1.25 = 1.6 MiB, below the floor of 1/16 GiB
     assert est.kv.bytes_per_token == 2 * 2 * 2 * 32 * 4
     assert phases["rollout"]["vLLM KV cache"] == GIB // 16
-    # the optimizer step: DP=2 all-reduces a flat fp32 copy of the gradients
-    assert phases["optimizer step"]["grad all-reduce copy / Adam temporaries"] == 4 * shard
+    # the optimizer step: gradients all-reduced in place, fused Adam; a temporary of the largest
+    # tensor, the TP shard of the fused [gate, up] projection: 2 x 512 / 2 x 128
+    assert phases["optimizer step"]["optimizer temporaries"] == 4 * 2 * 512 // 2 * 128
     assert est.peak.name == "rollout"
 
 
@@ -143,10 +144,10 @@ def test_smollm2_kv_cache_matches_the_recipe_comment() -> None:
         pytest.skip("models/smollm2-135m-instruct not built (make models)")
     cfg = load_config(REPO / "configs" / "grpo_smollm2.yaml")
     est = estimate(cfg, RoleShapes(policy=read_model_shape(SMOLLM2)))
-    # 32 validation prompts per replica x 384 tokens (320 in 128-token blocks) x 46080 bytes a token
-    # (30 layers x K and V x 3 KV heads x 64 x 4 bytes) x 1.25 = 0.66 GiB (configs/grpo_smollm2.yaml)
-    assert est.kv.nbytes == int(1.25 * 32 * 384 * 30 * 2 * 3 * 64 * 4)
-    assert round(est.kv.nbytes / GIB, 2) == 0.66
+    # 32 validation prompts per replica x 320 tokens (10 blocks of 32) x 46080 bytes a token (30
+    # layers x K and V x 3 KV heads x 64 x 4 bytes) x 1.25 = 0.55 GiB (configs/grpo_smollm2.yaml)
+    assert est.kv.nbytes == int(1.25 * 32 * 320 * 30 * 2 * 3 * 64 * 4)
+    assert round(est.kv.nbytes / GIB, 2) == 0.55
     assert est.fits is None  # no memory size given: no verdict
 
 
@@ -251,3 +252,12 @@ def test_cli_compare_with_a_run(tmp_path) -> None:
     empty.mkdir()
     r = run([HPCRL, "plan", "configs/grpo_smollm2.yaml", "--compare", str(empty)])
     assert r.returncode == 1 and "no step with memory/rss_gb_max" in r.stderr
+
+
+def test_dpo_plans_no_rollout_engine() -> None:
+    """DPO (hpcrl.trainer.dpo) builds no vLLM engine: no rollout or reshard phase, no KV cache line."""
+    r = run([HPCRL, "plan", "configs/dpo_tiny.yaml"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "algorithm   dpo (sigmoid loss" in r.stdout and "vLLM weights" not in r.stdout
+    assert "KV cache" not in r.stdout and "reshard" not in r.stdout
+    assert "peak        update actor" in r.stdout and "verdict     fits" in r.stdout

@@ -5,6 +5,7 @@ from hpcrl.config.schema import HpcrlConfig
 from hpcrl.config.validate import (
     Layout,
     critic_enabled,
+    is_dpo,
     reference_enabled,
     role_layouts,
     rollout_layout,
@@ -13,6 +14,6 @@ from hpcrl.config.validate import (
 )
 
 __all__ = [
-    "ConfigError", "HpcrlConfig", "Layout", "critic_enabled", "load_config", "parse_overrides",
+    "ConfigError", "HpcrlConfig", "Layout", "critic_enabled", "is_dpo", "load_config", "parse_overrides",
     "reference_enabled", "role_layouts", "rollout_layout", "to_yaml", "validate", "world_size",
 ]

@@ -151,9 +151,24 @@ class KLControlConfig:
 
 
 @dataclass
-class AlgorithmConfig:
-    """Advantage estimator, policy loss and KL handling."""
+class DPOConfig:
+    """Direct preference optimisation (algorithm.name=dpo): hpcrl/algos/dpo.py has the formulas."""
 
+    # Weight of the implicit KL to the reference: the implicit rewards are beta * (log pi - log ref).
+    beta: float = 0.1
+    loss_type: str = "sigmoid"  # sigmoid (DPO, Rafailov et al. 2023) | ipo (Azar et al. 2023)
+    # Conservative DPO (sigmoid only): the share of preference labels taken to be flipped, in [0, 0.5).
+    label_smoothing: float = 0.0
+
+
+@dataclass
+class AlgorithmConfig:
+    """Which loop trains, and for the PPO family: advantage estimator, policy loss and KL handling."""
+
+    # ppo: the RL loop of hpcrl/trainer/ppo.py (PPO, GRPO, RLOO, REINFORCE++, ReMax, DAPO: picked by
+    # adv_estimator and policy_loss); dpo: offline preference optimisation, hpcrl/trainer/dpo.py
+    # (algorithm.dpo; reads preference pairs, no rollout, reward or critic).
+    name: str = "ppo"
     adv_estimator: str = "grpo"  # gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax
     policy_loss: str = "ppo_clip"  # ppo_clip | dual_clip | clip_higher (DAPO)
     gamma: float = 1.0
@@ -168,6 +183,7 @@ class AlgorithmConfig:
     # DAPO soft overlong penalty: the last `overlong_buffer` tokens before the limit are penalised.
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
+    dpo: DPOConfig = field(default_factory=DPOConfig)
 
 
 @dataclass
@@ -183,19 +199,25 @@ class RewardConfig:
 
 @dataclass
 class DataConfig:
-    """Prompts in the verl schema (prompt as chat messages, data_source, reward_model.ground_truth)."""
+    """Prompts in the verl schema (prompt as chat messages, data_source, reward_model.ground_truth), or
+    for DPO preference pairs in TRL's schema (prompt, chosen, rejected)."""
 
     train_files: list[str] = field(default_factory=list)
     val_files: list[str] = field(default_factory=list)
     prompt_key: str = "prompt"
     max_prompt_length: int = 512
-    train_batch_size: int = 8  # prompts per step
+    train_batch_size: int = 8  # prompts per step (DPO: preference pairs per step, one optimizer step)
     val_batch_size: int = 64
     val_max_samples: int = 0  # validate on the first N validation prompts; 0 = all
     # Rows that do not fit the schema (missing or mistyped fields, empty ground truth, lines that are
     # not UTF-8 JSON) are skipped and logged with their numbers while they are at most this share of
     # a file; above it the run is refused before it starts.
     max_skipped_row_share: float = 0.01
+    # DPO (preference pairs in TRL's schema, hpcrl/data/preference.py): the fields of a row, and the
+    # longest chosen / rejected response in tokens (EOS included); longer pairs are dropped and counted.
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    max_response_length: int = 512
     shuffle: bool = True
     seed: int = 1
 

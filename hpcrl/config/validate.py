@@ -26,6 +26,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "actor.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
     "actor.kl_loss_type": ("k1", "k2", "k3"),
     "actor.old_logprob": ("auto", "recompute", "rollout"),
+    "algorithm.name": ("ppo", "dpo"),
+    "algorithm.dpo.loss_type": ("sigmoid", "ipo"),
     "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus",
                                 "reinforce_plus_plus_baseline", "remax"),
     "algorithm.policy_loss": ("ppo_clip", "dual_clip", "clip_higher"),
@@ -79,6 +81,10 @@ RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     "algorithm.gamma": (0, 1, True),
     "algorithm.lam": (0, 1, True),
     "reward.timeout_s": (0, None, False),
+    # beta scales the implicit rewards; DPO's loss has no preference direction at 0 and flips below it
+    "algorithm.dpo.beta": (0, None, False),
+    "algorithm.dpo.label_smoothing": (0, 0.5, True),  # 0.5 itself is refused in _check_dpo
+    "data.max_response_length": (1, None, True),
     "data.max_prompt_length": (1, None, True),
     "data.train_batch_size": (1, None, True),
     "data.val_batch_size": (1, None, True),
@@ -120,11 +126,21 @@ def world_size(cfg: DictConfig) -> int:
     return cfg.trainer.nnodes * cfg.trainer.workers_per_node
 
 
+def is_dpo(cfg: Any) -> bool:
+    """The config trains with DPO (hpcrl/trainer/dpo.py), not the RL loop; cfg is the config or its
+    plain-dict form."""
+    return cfg["algorithm"]["name"] == "dpo"
+
+
 def critic_enabled(cfg: DictConfig) -> bool:
+    if cfg.critic.enable is None and is_dpo(cfg):
+        return False
     return cfg.critic.enable if cfg.critic.enable is not None else cfg.algorithm.adv_estimator == "gae"
 
 
 def reference_enabled(cfg: DictConfig) -> bool:
+    if is_dpo(cfg):  # DPO's loss is relative to the reference (reference.enable=false is refused)
+        return cfg.reference.enable is not False
     if cfg.reference.enable is not None:
         return cfg.reference.enable
     # a KL loss with coefficient 0 changes nothing: no reference model, no reference forward
@@ -250,6 +266,9 @@ def _check_layout(cfg: DictConfig, problems: list[str]) -> None:
             problems.append(f"{role}.parallel: TP={p.tensor_parallel} PP={p.pipeline_parallel} differs from "
                             f"actor.parallel (TP={a.tensor_parallel} PP={a.pipeline_parallel}); colocated Megatron "
                             "roles share one layout. Set both alike (or leave reference.parallel null).")
+    if is_dpo(cfg):
+        _check_dpo(cfg, problems)
+        return
     if cfg.algorithm.adv_estimator == "gae" and cfg.critic.enable is False:
         problems.append("critic.enable=false: algorithm.adv_estimator=gae needs a critic. "
                         "Enable it or pick grpo/rloo/reinforce_plus_plus/remax.")
@@ -268,6 +287,28 @@ def _check_layout(cfg: DictConfig, problems: list[str]) -> None:
     if tp_pp >= 1 and w % tp_pp == 0 and mb >= 1 and mb % (w // tp_pp):
         problems.append(f"actor.ppo_mini_batch_size={mb}: must be a multiple of the actor's data-parallel "
                         f"size {w // tp_pp}, so every DP rank gets the same number of samples.")
+
+
+def _check_dpo(cfg: DictConfig, problems: list[str]) -> None:
+    """What DPO needs of a config beyond ranges (the RL loop's batch arithmetic does not apply)."""
+    d = cfg.algorithm.dpo
+    if d.label_smoothing == 0.5:
+        problems.append("algorithm.dpo.label_smoothing=0.5: must be < 0.5; at 0.5 both orders of a pair weigh the "
+                        "same and the loss only pulls the margin to 0.")
+    if d.label_smoothing and d.loss_type != "sigmoid":
+        problems.append(f"algorithm.dpo.label_smoothing={d.label_smoothing}: conservative DPO's label smoothing is "
+                        f"for algorithm.dpo.loss_type=sigmoid, not {d.loss_type}; set it to 0.")
+    if cfg.reference.enable is False:
+        problems.append("reference.enable=false: algorithm.name=dpo needs the reference model (its loss is "
+                        "relative to it). Leave reference.enable null.")
+    if cfg.critic.enable:
+        problems.append("critic.enable=true: algorithm.name=dpo has no critic. Leave critic.enable null.")
+    w = world_size(cfg)
+    tp_pp = cfg.actor.parallel.tensor_parallel * cfg.actor.parallel.pipeline_parallel
+    b = cfg.data.train_batch_size
+    if tp_pp >= 1 and w % tp_pp == 0 and b >= 1 and b % (w // tp_pp):
+        problems.append(f"data.train_batch_size={b}: must be a multiple of the actor's data-parallel size "
+                        f"{w // tp_pp}: DPO gives every DP rank whole pairs, the same number each.")
 
 
 def read_hf_config(model_path: str) -> dict[str, Any]:
@@ -356,12 +397,37 @@ def _check_paths(cfg: DictConfig, problems: list[str]) -> dict[str, Any] | None:
     return hf
 
 
+def _check_preference_rows(cfg: DictConfig, key: str, path: str, problems: list[str]) -> None:
+    """A DPO data file's rows: the preference columns exist, and not too many rows are unusable."""
+    from hpcrl.data import scan_preference_rows
+
+    d = cfg.data
+    try:
+        scan = scan_preference_rows(path, d.prompt_key, d.chosen_key, d.rejected_key)
+    except (OSError, ValueError) as e:
+        problems.append(f"{key}={path!r}: unreadable ({e})")
+        return
+    missing = scan.missing_keys(d.prompt_key, d.chosen_key, d.rejected_key)
+    if missing:
+        names = {d.prompt_key: "data.prompt_key", d.chosen_key: "data.chosen_key", d.rejected_key: "data.rejected_key"}
+        problems.append(f"{key}={path!r}: no row has {', '.join(f'{k!r} ({names[k]})' for k in missing)}; "
+                        "algorithm.name=dpo reads preference pairs in TRL's schema: prompt, chosen, rejected "
+                        f"(columns present: {', '.join(sorted(scan.keys_seen)) or 'none'}).")
+        return
+    refusal = scan.refusal(d.max_skipped_row_share)
+    if refusal:
+        problems.append(f"{key}={path!r}: {refusal}")
+
+
 def _check_rows(cfg: DictConfig, key: str, path: str, problems: list[str]) -> None:
     """A data file's rows, read now rather than after the workers have started (or a day in a Slurm
     queue): not too many unusable ones, and a builtin reward rule for every data_source."""
     from hpcrl.data import scan_rows
     from hpcrl.rewards.builtin import known_data_sources, style_of
 
+    if is_dpo(cfg):
+        _check_preference_rows(cfg, key, path, problems)
+        return
     try:
         scan = scan_rows(path, cfg.data.prompt_key)
     except (OSError, ValueError) as e:

@@ -25,7 +25,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from hpcrl.config import role_layouts, rollout_layout, world_size
+from hpcrl.config import is_dpo, role_layouts, rollout_layout, world_size
 from hpcrl.config.validate import Layout
 from hpcrl.plan.shape import (
     ModelShape,
@@ -225,11 +225,12 @@ def logits_bytes(positions: int, vocab_shard: int, dtype_bytes: int, entropy: bo
 def cpu_kv_cache_bytes_default(cfg: DictConfig, shape: ModelShape, dtype_bytes: int) -> int:
     """rollout.cpu_kv_cache_gib=null: the rule of hpcrl.workers.actor_rollout.cpu_kv_cache_gib_needed
     (every sample one rollout replica generates in a step, or its share of a validation batch, at
-    full length rounded up to 128-token blocks, plus a quarter; at least 1/16 GiB)."""
+    full length rounded up to 32-token blocks, plus a quarter; at least 1/16 GiB)."""
     r, d = cfg.rollout, cfg.data
     replicas = max(world_size(cfg) // r.tensor_parallel, 1)
     seqs = max(-(-d.train_batch_size * r.n // replicas), -(-d.val_batch_size // replicas))
-    tokens = seqs * -(-(d.max_prompt_length + r.max_new_tokens) // 128) * 128
+    block = CPU_KV_BLOCK_TOKENS
+    tokens = seqs * -(-(d.max_prompt_length + r.max_new_tokens) // block) * block
     kv_heads = -(-shape.num_kv_heads // r.tensor_parallel)
     per_token = shape.num_layers * 2 * kv_heads * shape.head_dim * dtype_bytes
     return int(max(1.25 * tokens * per_token / GIB, 1 / 16) * GIB)
@@ -393,6 +394,7 @@ def _stage_estimate(run: _Run, stage: int) -> tuple[list[Phase], int, list[str],
     vocab_shard = megatron_padded_vocab(policy.vocab_size, tp) // tp
     vllm_label = f"vLLM weights (rollout TP={rollout_tp})"
 
+    dpo = is_dpo(cfg)  # offline preference pairs: no rollout engine, no weight push (hpcrl.trainer.dpo)
     rollout = Phase("rollout")
     resident(rollout, actor_offloaded=run.offload)
     rollout.add(vllm_label, run.vllm_weights)
@@ -406,7 +408,7 @@ def _stage_estimate(run: _Run, stage: int) -> tuple[list[Phase], int, list[str],
     reshard.add(vllm_label, run.vllm_weights)
     reshard.add("reshard bucket + converted copy", 2 * run.bucket)
     reshard.add(runtime_label, runtime_bytes)
-    phases = [rollout, reshard]
+    phases = [] if dpo else [rollout, reshard]
 
     forwards = []  # the peak of each forward the step runs (one role at a time)
     if run.actor_forward or "reference" in run.layouts:
@@ -442,15 +444,13 @@ def _stage_estimate(run: _Run, stage: int) -> tuple[list[Phase], int, list[str],
         critic_update.add(runtime_label, runtime_bytes)
         phases.append(critic_update)
 
-    # The larger trained role's step: the DP all-reduce flattens every gradient into one fp32 copy
-    # (engine._finish_grads), then Adam's temporaries: torch's foreach Adam (its default on CUDA)
-    # keeps a tensor list the size of the parameters, the for-loop one on CPU a tensor at a time.
+    # The larger trained role's step: the DP all-reduce works on the gradients in place
+    # (engine._finish_grads), and the fused AdamW goes tensor by tensor; the clip norm's float64 rows
+    # are the largest temporary, counted here as one fp32 copy of the largest tensor.
     step = Phase("optimizer step")
     biggest = max([actor] + [r for r in others if r.trains], key=lambda r: r.params)
     resident(step, step_grads_of=biggest.name)
-    flat = biggest.params * 4 if run.layouts[biggest.name].dp > 1 else 0
-    adam_temp = biggest.params * 4 if run.gpu else _largest_tensor_params(policy, tp) * 4
-    step.add("grad all-reduce copy / Adam temporaries", max(flat, adam_temp))
+    step.add("optimizer temporaries", _largest_tensor_params(policy, tp) * 4)
     step.add(runtime_label, runtime_bytes)
     phases.append(step)
 
@@ -458,16 +458,16 @@ def _stage_estimate(run: _Run, stage: int) -> tuple[list[Phase], int, list[str],
     pinned: dict[str, int] = {}
     if run.gpu:
         per_node = cfg.trainer.workers_per_node
-        pinned = {"actor trainer state while generating (actor.offload)": actor.resident * per_node
-                  if run.offload else 0,
-                  "vLLM weights while training (sleep level 1)": run.vllm_weights * per_node}
+        pinned = {} if dpo else {
+            "actor trainer state while generating (actor.offload)": actor.resident * per_node if run.offload else 0,
+            "vLLM weights while training (sleep level 1)": run.vllm_weights * per_node}
         # vLLM is built right after the actor (before the reference and the critic) and checks that
         # its whole share is free (vllm.v1.worker.utils.request_memory); Adam's moments do not exist
         # yet then (torch allocates them at the first step)
         kwargs = cfg.rollout.engine_kwargs or {}
         util = float(kwargs.get("gpu_memory_utilization", cfg.rollout.gpu_memory_utilization))
         at_start = actor.weights + actor.masters + actor.kept_grads + runtime_bytes
-        if not kwargs.get("kv_cache_memory_bytes") and run.gpu_mem_bytes is not None \
+        if not dpo and not kwargs.get("kv_cache_memory_bytes") and run.gpu_mem_bytes is not None \
                 and run.gpu_mem_bytes - at_start < util * run.gpu_mem_bytes:
             problems.append(
                 f"vLLM start-up: {(run.gpu_mem_bytes - at_start) / GIB:.2f} GiB free once the actor is built "
@@ -568,7 +568,7 @@ def estimate(cfg: DictConfig, shapes: RoleShapes, gpu_mem_bytes: int | None = No
 
 
 def _largest_tensor_params(shape: ModelShape, tp: int) -> int:
-    """The largest single parameter tensor of a shard (the for-loop Adam's temporaries are one tensor
-    at a time): the vocabulary shard or the fused [gate, up] projection."""
+    """The largest single parameter tensor of a shard (the optimizer step's temporaries are one
+    tensor at a time): the vocabulary shard or the fused [gate, up] projection."""
     return max(megatron_padded_vocab(shape.vocab_size, tp) // tp * shape.hidden_size,
                2 * shape.intermediate_size // tp * shape.hidden_size)

@@ -251,15 +251,18 @@ def format_estimate(est: Estimate) -> list[str]:
     else:
         lines.append(f"peak        {peak.name}: {peak.total / unit:.2f} {short}")
     kv = est.kv
-    per_engine = f"a step gives each engine {kv.samples_per_engine} sample(s)"
-    if kv.val_per_engine:
+    if not any(ph.name == "rollout" for ph in est.phases):  # DPO: no rollout engine
+        kv = None
+    per_engine = f"a step gives each engine {kv.samples_per_engine} sample(s)" if kv else ""
+    if kv is not None and kv.val_per_engine:
         per_engine += f", a validation batch {kv.val_per_engine}"
-    hold = kv.sequences
-    lines.append(f"KV cache    {kv.nbytes / unit:.2f} {short} ({kv.rule}); {kv.bytes_per_token / 1024:.1f} KiB a "
-                 f"token: {hold} sequence(s) of {kv.sequence_tokens} tokens at once "
-                 f"({'holds at least one full sequence' if hold >= 1 else 'NOT one full sequence'}); {per_engine}"
-                 + ("" if hold >= max(kv.samples_per_engine, kv.val_per_engine) or hold < 1
-                    else " (vLLM queues the rest: slower, not out of memory)"))
+    if kv is not None:
+        hold = kv.sequences
+        lines.append(f"KV cache    {kv.nbytes / unit:.2f} {short} ({kv.rule}); {kv.bytes_per_token / 1024:.1f} KiB a "
+                     f"token: {hold} sequence(s) of {kv.sequence_tokens} tokens at once "
+                     f"({'holds at least one full sequence' if hold >= 1 else 'NOT one full sequence'}); {per_engine}"
+                     + ("" if hold >= max(kv.samples_per_engine, kv.val_per_engine) or hold < 1
+                        else " (vLLM queues the rest: slower, not out of memory)"))
     for what, nbytes in est.host_pinned_per_node.items():
         if nbytes:
             lines.append(f"host        {nbytes / GIB:.2f} GiB pinned host memory per node: {what}")

@@ -51,7 +51,8 @@ def storage_error(exc: BaseException) -> Exception | None:
 
 class Checkpointer:
     """Saves and restores everything a run needs: the roles' Megatron state (written by the
-    workers), the sampler position, the KL controller, step and metrics cursor (controller)."""
+    workers), the sampler position, the KL controller (RL loops; a trainer without one has
+    `kl_ctrl = None`), step and metrics cursor (controller)."""
 
     def __init__(self, cfg: DictConfig, trainer: Any, metrics: Any):
         from hpcrl.checkpoint.store import CheckpointStore
@@ -69,8 +70,10 @@ class Checkpointer:
 
     def controller_state(self) -> dict[str, Any]:
         t = self.trainer
-        return {"step": t.step, "sampler": t.sampler.state_dict(), "kl_ctrl": t.kl_ctrl.state_dict(),
-                "metrics_cursor": self.metrics.cursor(), "saved_at": time.time()}
+        state = {"step": t.step, "sampler": t.sampler.state_dict()}
+        if getattr(t, "kl_ctrl", None) is not None:
+            state["kl_ctrl"] = t.kl_ctrl.state_dict()
+        return {**state, "metrics_cursor": self.metrics.cursor(), "saved_at": time.time()}
 
     def needed_bytes(self, state: dict[str, Any], config_yaml: str) -> int:
         """~Bytes the save of the current state writes, all ranks together (they share the file
@@ -187,7 +190,8 @@ class Checkpointer:
         tr = self.trainer
         tr.step = int(state["step"])
         tr.sampler.load_state_dict(state["sampler"])
-        tr.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        if getattr(tr, "kl_ctrl", None) is not None:
+            tr.kl_ctrl.load_state_dict(state["kl_ctrl"])
         self.metrics.truncate(int(state["metrics_cursor"]))
         log.info("resumed from %s (step %d, sampler %s) in %.1f s", path, tr.step, state["sampler"],
                  time.perf_counter() - t)
@@ -205,17 +209,31 @@ def nonfinite_limit_reached(cfg: DictConfig, step_metrics: dict[str, float]) -> 
     return limit > 0 and nonfinite_in_a_row(step_metrics) >= limit
 
 
+def make_trainer(cfg: DictConfig) -> Any:
+    """The loop of `algorithm.name`: hpcrl.trainer.ppo (the RL family) or hpcrl.trainer.dpo. Both
+    offer what `train` drives: step, sampler, kl_ctrl (None without one), trained_groups(),
+    train_step(step) -> metrics (validation ones named val/*), val_data, final_validation(), close()."""
+    from hpcrl.config import is_dpo
+
+    if is_dpo(cfg):
+        from hpcrl.trainer.dpo import DPOTrainer
+
+        return DPOTrainer(cfg)
+    from hpcrl.trainer.ppo import PPOTrainer
+
+    return PPOTrainer(cfg)
+
+
 def train(cfg: DictConfig) -> int:
     """Build the groups, resume if there is something to resume, run the remaining steps."""
     from hpcrl.trainer.metrics import MetricsWriter, progress_line, remaining_s
-    from hpcrl.trainer.ppo import PPOTrainer
     from hpcrl.trainer.preemption import StopWatch, requeue_self, under_slurm
 
     run_dir = Path(cfg.trainer.run_dir)
     total = int(cfg.trainer.total_steps)
     watch = StopWatch()
     metrics = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard)
-    trainer = PPOTrainer(cfg)
+    trainer = make_trainer(cfg)
     ckpt = Checkpointer(cfg, trainer, metrics)
     if ckpt.resume():
         log.info("continuing at step %d of %d", trainer.step + 1, total)
@@ -244,8 +262,9 @@ def train(cfg: DictConfig) -> int:
         if not ckpt.finish_pending() and ckpt.stop_on_error:
             return save_failed()
         metrics.write(step, m)
-        if "val/reward_mean" in m:
-            metrics.write_validation(step - 1, {k: v for k, v in m.items() if k.startswith("val/")})
+        validation = {k: v for k, v in m.items() if k.startswith("val/")}
+        if validation:  # the step began with a validation (after step - 1 steps)
+            metrics.write_validation(step - 1, validation)
         ends.append(time.perf_counter())
         log.info(progress_line(step, total, m, remaining_s(started, ends, total - step)))
         if nonfinite_limit_reached(cfg, m):
@@ -278,8 +297,7 @@ def train(cfg: DictConfig) -> int:
         metrics.close()
         return 0
     if trainer.val_data is not None:
-        trainer.actor.enter_rollout()
-        metrics.write_validation(trainer.step, trainer.validate())
+        metrics.write_validation(trainer.step, trainer.final_validation())
     if not ckpt.save(wait=True):  # the final state: nothing is left to go on with
         return save_failed()
     trainer.close()

@@ -12,6 +12,10 @@ import logging
 import math
 import os
 import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +23,35 @@ log = logging.getLogger("hpcrl")
 
 # Wall-clock quantities: they differ between otherwise identical runs.
 TIMING_PREFIXES = ("time/", "throughput/")
+
+
+class PhaseTimer:
+    """Wall time of each phase of a step (`time/<phase>` metrics)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - t
+
+
+def peak_memory_metrics(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
+    """memory/<key>_max and memory/<key>_mean over the worker processes, from each one's
+    `peak_memory()` (hpcrl.workers.memory)."""
+    by_key: dict[str, list[float]] = defaultdict(list)
+    for d in per_rank:
+        for k, v in d.items():
+            by_key[k].append(v)
+    out: dict[str, float] = {}
+    for key, values in by_key.items():
+        out[f"memory/{key}_max"] = max(values)
+        out[f"memory/{key}_mean"] = sum(values) / len(values)
+    return out
 
 
 def setup_logging(log_file: Path, level: str = "INFO") -> None:
@@ -147,6 +180,8 @@ def progress_line(step: int, total: int, m: dict[str, Any], eta_s: float | None 
     for key, label, fmt in (("reward/mean", "reward", "{:.3f}"), ("reward/acc", "acc", "{:.3f}"),
                             ("response_length/mean", "len", "{:.1f}"), ("actor/pg_loss", "pg_loss", "{:+.4f}"),
                             ("critic/vf_loss", "vf_loss", "{:.4f}"), ("actor/kl", "kl", "{:.4f}"),
+                            ("dpo/loss", "loss", "{:.4f}"), ("dpo/rewards/accuracies", "acc", "{:.3f}"),
+                            ("dpo/rewards/margins", "margin", "{:+.3f}"),
                             ("time/step", "time", "{:.1f}s"), ("throughput/tokens_per_s", "tok/s", "{:.0f}")):
         if key in m:
             parts.append(f"{label} " + fmt.format(m[key]))

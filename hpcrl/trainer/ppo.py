@@ -21,9 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections import defaultdict
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -39,26 +37,12 @@ from hpcrl.controller.batch import Batch
 from hpcrl.data import PromptDataset, PromptRow, ShuffledSampler, iterate_batches
 from hpcrl.engines.vllm.engine import SEED_SPACE, SamplingSettings
 from hpcrl.rewards import RewardInput, RewardScorer
+from hpcrl.trainer.metrics import PhaseTimer, peak_memory_metrics
 from hpcrl.workers.actor_rollout import ActorRolloutRole, generate, logprob_gap
 from hpcrl.workers.batching import arrange_minibatches
 from hpcrl.workers.megatron_roles import MegatronRole
 
 log = logging.getLogger("hpcrl.trainer")
-
-
-class PhaseTimer:
-    """Wall time of each phase of a step (`time/<phase>` metrics)."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = defaultdict(float)
-
-    @contextmanager
-    def __call__(self, phase: str) -> Iterator[None]:
-        t = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[phase] += time.perf_counter() - t
 
 
 def pad_concat(batches: Sequence[Batch]) -> Batch:
@@ -71,15 +55,6 @@ def pad_concat(batches: Sequence[Batch]) -> Batch:
             b = Batch({k: torch.nn.functional.pad(b[k], (0, grow)) if b[k].dim() == 2 else b[k] for k in b.keys()})
         padded.append(b)
     return Batch.concat(padded)
-
-
-def _by_key(per_rank: Sequence[dict[str, float]]) -> dict[str, list[float]]:
-    """{key: [value of each rank]} from one dict per rank."""
-    out: dict[str, list[float]] = defaultdict(list)
-    for d in per_rank:
-        for k, v in d.items():
-            out[k].append(v)
-    return out
 
 
 class PPOTrainer:
@@ -315,9 +290,7 @@ class PPOTrainer:
         metrics.update({f"actor/{k}": v for k, v in out.items()})
 
         # every worker process hosts an actor rank (the other roles are colocated with it)
-        for key, values in _by_key(self.actor.peak_memory()).items():
-            metrics[f"memory/{key}_max"] = max(values)
-            metrics[f"memory/{key}_mean"] = sum(values) / len(values)
+        metrics.update(peak_memory_metrics(self.actor.peak_memory()))
         step_s = time.perf_counter() - t0
         resp_tokens = float(lengths.sum())
         all_tokens = float(batch["attention_mask"].sum())
@@ -358,6 +331,11 @@ class PPOTrainer:
         log.info("validation after %d step(s): %s", self.step,
                  ", ".join(f"{k} {v:.4f}" for k, v in out.items()))
         return out
+
+    def final_validation(self) -> dict[str, float]:
+        """The validation after the last step (the weights go into the rollout engines first)."""
+        self.actor.enter_rollout()
+        return self.validate()
 
     def close(self) -> None:
         self.scorer.close()

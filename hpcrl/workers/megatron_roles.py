@@ -326,3 +326,159 @@ class MegatronRole(Worker):
         layout (then RNGs are reseeded from seed, default trainer.seed of its config.yaml, and the
         step). An actor with a rollout engine must reshard to it afterwards."""
         return self._checkpointer().load(ckpt_dir, seed)
+
+    # =============================================================================================
+    # DPO (the loop: hpcrl.trainer.dpo; the loss: hpcrl.algos.dpo)
+    #
+    # A DPO batch holds both responses of each preference pair as rows (prompt + response,
+    # right-padded; response_mask marks the response, EOS included), with `pair_index` (the pair's
+    # number in the step), `chosen` (1: the chosen response, 0: the rejected one) and, for the
+    # update, `ref_logp` (the reference's summed response log-prob of the row). Log-probs are at
+    # T = 1 whatever rollout.temperature says: DPO scores the model's own distribution.
+    # =============================================================================================
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.NONE)
+    def set_schedule_steps(self, optimizer_steps: int) -> None:
+        """The LR schedule's length in optimizer steps (the constructor counts the RL loop's
+        mini-batches x epochs; DPO takes one optimizer step per training step)."""
+        if self.engine.optim is not None:
+            self.engine.optim.total_steps = int(optimizer_steps)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.NONE)
+    def seed_host_rngs(self, seed: int) -> None:
+        """Seed this process's Python and NumPy generators from (seed, rank). In the RL loop the
+        colocated vLLM engine seeds them; a DPO run has none, and generators left at their
+        OS-entropy start would make the RNG files of two identical runs differ (a resume test
+        compares them byte for byte). torch's generators are seeded by the layout set-up."""
+        import random
+
+        import numpy as np
+        import torch.distributed as dist
+
+        from hpcrl.checkpoint.megatron_state import rank_seed
+
+        r = rank_seed(int(seed), 0, dist.get_rank())
+        random.seed(r)
+        np.random.seed(r)
+
+    @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP)
+    def sequence_logprobs(self, batch: Batch) -> torch.Tensor | None:
+        """Sum of each row's response-token log-probs [B] (float64) under this model, T = 1."""
+        if len(batch) == 0:  # a DP shard of a batch with fewer rows than DP ranks
+            return torch.zeros(0, dtype=torch.float64) if self.engine.tp_rank == 0 else None
+        seqs = sequences(batch)
+        positions = [m > 0 for m in to_label_aligned(batch, "response_mask", seqs)]
+        lp = self.engine.compute_logprob(seqs, 1.0, positions)
+        if lp is None or self.engine.tp_rank != 0:
+            return None
+        return torch.stack([v.double().sum() for v in lp])
+
+    def _pairs_apart(self, seqs: list[torch.Tensor], fields: dict[str, list[torch.Tensor]],
+                     chosen_rows: torch.Tensor, rejected_rows: torch.Tensor) -> torch.Tensor:
+        """Per pair: whether the engine's micro-batch plan for these sequences and fields puts its
+        two rows into different micro-batches. The plan is a function of its inputs, so it is the
+        one train_step runs next, and the same on every rank of this DP replica."""
+        where: dict[int, int] = {}
+        for m, mb in enumerate(self.engine._micro_batches(seqs, fields)):
+            for p in mb.placement:
+                where[p.seq] = m
+        return torch.tensor([where[c] != where[r] for c, r in zip(chosen_rows.tolist(), rejected_rows.tolist(),
+                                                                   strict=True)], dtype=torch.bool)
+
+    @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.RANK0)
+    def update_dpo(self, batch: Batch, num_pairs: int, beta: float, loss_type: str = "sigmoid",
+                   label_smoothing: float = 0.0) -> dict[str, float]:
+        """One optimizer step of DPO / IPO (hpcrl.algos.dpo) on this rank's pairs. The loss is the
+        mean over the step's `num_pairs` pairs (all DP ranks together), and so are the metrics.
+
+        Per-sequence sums inside the engine's per-micro-batch loss: loss_fn gets the per-token
+        log-probs of one micro-batch laid out like labels, with a per-token field `dpo_row` (the
+        row's number + 1 on each of its tokens), and sums each row's response tokens there
+        (index_add). A row is never cut: a sequence (or its branch after a shared prompt) sits
+        whole in one micro-batch, which loss_fn checks against the row's response token count.
+
+        A pair is exact in one pass when its two rows share a micro-batch. The packing keeps them
+        together when they share their prompt (actor.share_prompt: one unit) and fit in
+        actor.micro_batch_tokens. Where the plan puts them apart (a longer pair, share_prompt off,
+        Transformer Engine), a forward without gradient first sums every row under the same
+        weights; the micro-batch that holds one row of a split pair takes the other row's sum from
+        it, a constant, so the gradient it gives its own row's tokens is exactly dL/d(its sum), and
+        the pair's loss value is shared between its two micro-batches (L/2 each, gradient whole).
+        DP: every rank must hold whole pairs (data.train_batch_size is a multiple of the DP size),
+        checked here; gradients are summed over DP. The update is the same for any micro-batching
+        and DP size, up to float rounding."""
+        from hpcrl.algos.dpo import dpo_loss, dpo_pair_stats
+
+        seqs = sequences(batch)
+        n = len(seqs)
+        chosen_rows, rejected_rows = dpo_pair_rows(batch["pair_index"], batch["chosen"])
+        ref = batch["ref_logp"].double()
+        response = [m > 0 for m in to_label_aligned(batch, "response_mask", seqs)]
+        response_tokens = torch.tensor([int(m.sum()) for m in response])
+        if bool((response_tokens == 0).any()):
+            raise ValueError("update_dpo: a row has no response token (every response ends with EOS)")
+        # loss_weight marks the positions the loss reads (the engine computes logits there only, and
+        # packs the prompt once before them); the pairs' weights are applied in loss_fn
+        fields = {"loss_weight": [m.float() for m in response],
+                  "dpo_row": [torch.full(m.shape, i + 1, dtype=torch.long) for i, m in enumerate(response)]}
+        apart = self._pairs_apart(seqs, fields, chosen_rows, rejected_rows)
+        other: torch.Tensor | None = None  # every row's sum from the forward without gradient
+        if bool(apart.any()):
+            lp = self.engine.compute_logprob(seqs, 1.0, response)
+            if lp is not None:  # the last pipeline stage, where loss_fn runs
+                other = torch.stack([v.double().sum() for v in lp])
+
+        def loss_fn(lp: torch.Tensor, ent: Any, f: dict[str, torch.Tensor]):
+            dev = lp.device
+            sel = (f["loss_weight"] > 0) & f["label_mask"].bool()
+            row = f["dpo_row"][sel].long() - 1
+            sums = torch.zeros(n, dtype=torch.float64, device=dev).index_add(0, row, lp[sel].double())
+            seen = torch.bincount(row, minlength=n).cpu()
+            present = seen > 0
+            if not torch.equal(seen[present], response_tokens[present]):
+                raise RuntimeError("update_dpo: a row's response tokens were cut across micro-batches; its "
+                                   "log-prob sum would be partial")
+            c_in, r_in = present[chosen_rows], present[rejected_rows]
+            here = torch.nonzero(c_in | r_in).flatten()
+            both = (c_in & r_in)[here]
+            if not bool(both.all()) and other is None:
+                raise RuntimeError("update_dpo: a pair split across micro-batches without its forward pass")
+            c, r = chosen_rows[here].to(dev), rejected_rows[here].to(dev)
+            fill = other.to(dev) if other is not None else sums.detach()
+            pc = torch.where(c_in[here].to(dev), sums[c], fill[c])
+            pr = torch.where(r_in[here].to(dev), sums[r], fill[r])
+            ref_c, ref_r = ref.to(dev)[c], ref.to(dev)[r]
+            # micro-batches holding the pair's rows: 1, or 2 for a split pair (each counts half its value)
+            k = 2.0 - both.double().to(dev)
+            losses = dpo_loss(pc, pr, ref_c, ref_r, beta, loss_type, label_smoothing)
+            loss = (losses - (1.0 - 1.0 / k) * losses.detach()).sum() / num_pairs
+            share = 1.0 / (k * num_pairs)
+            metrics = {name: (share * v).sum() for name, v in dpo_pair_stats(pc, pr, ref_c, ref_r, beta).items()}
+            metrics["pairs_split"] = (share * num_pairs * (k - 1.0)).sum()  # sums to 1 per split pair
+            return loss.float(), metrics
+
+        m = self.engine.train_step(seqs, fields, loss_fn, temperature=1.0)
+        out = {k: v for k, v in m.items() if not k.startswith("nonfinite_")}
+        # named as the RL updates name them: the trainer stops at trainer.max_nonfinite_steps in a row
+        out.update(optimizer_steps=1.0, nonfinite_steps_skipped=m["nonfinite_skipped"],
+                   nonfinite_steps_in_a_row=m["nonfinite_in_a_row"])
+        return out
+
+
+def dpo_pair_rows(pair_index: torch.Tensor, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row of the chosen and of the rejected response of each pair in a batch (one DP shard),
+    pairs in order of first appearance. ValueError unless each pair has exactly one of each here:
+    a pair cut between DP ranks could not be scored on either."""
+    order: dict[int, list[int]] = {}
+    for row, p in enumerate(pair_index.tolist()):
+        order.setdefault(int(p), []).append(row)
+    chosen_rows, rejected_rows = [], []
+    flags = chosen.tolist()
+    for p, rows in order.items():
+        kinds = sorted(bool(flags[r]) for r in rows)
+        if kinds != [False, True]:
+            raise ValueError(f"DPO pair {p}: this rank holds {len(rows)} of its rows (chosen flags {kinds}); each "
+                             "pair needs its chosen and its rejected row on the same DP rank (data.train_batch_size "
+                             "a multiple of the DP size, the two rows next to each other)")
+        chosen_rows.append(next(r for r in rows if flags[r]))
+        rejected_rows.append(next(r for r in rows if not flags[r]))
+    return torch.tensor(chosen_rows, dtype=torch.long), torch.tensor(rejected_rows, dtype=torch.long)
