@@ -12,8 +12,9 @@ models: setup         ## offline models: tiny random Qwen2 (tests), SmolLM2-135M
 	@$(PY) tools/make_tiny_model.py --out models/tiny-qwen2
 	@$(PY) tools/build_smollm2.py --out models/smollm2-135m-instruct --cache models/.cache
 
-data: setup           ## generated arithmetic word problems (verl schema) in data/arith, preference pairs in data/pref
+data: setup           ## generated data: arithmetic word problems (data/arith), coding tasks (data/code), preference pairs (data/pref)
 	@$(PY) tools/make_arith_data.py --out data/arith
+	@$(PY) tools/make_code_data.py --out data/code
 	@$(PY) tools/make_pref_data.py --out data/pref
 
 slurm-up:             ## local 4-node Slurm cluster (installs Debian packages when missing; needs root)

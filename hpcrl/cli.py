@@ -40,6 +40,12 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                         "e.g. when preparing a cluster recipe elsewhere")
 
 
+def add_verbose_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--verbose", action="store_true",
+                   help="show every rank's library output (vLLM, transformers, megatron, torch) on the terminal "
+                        "too, as well as in {logging.dir}/rank*.log (sets logging.verbose=true)")
+
+
 def load_validated(args: argparse.Namespace) -> DictConfig:
     cfg = load_config(args.config, args.overrides)
     validate(cfg, check_paths=not args.skip_path_checks)
@@ -106,18 +112,26 @@ def cmd_run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from hpcrl.launch import entry_argv, mpiexec_command
+    from hpcrl.launch.commands import rank_output_env
 
+    if args.verbose:
+        args.overrides = [*args.overrides, "logging.verbose=true"]  # also in the saved config
     cfg = load_validated(args)
     w = world_size(cfg)
     argv = mpiexec_command(w, entry_argv("hpcrl.trainer.main:main", [str(Path(args.config).resolve()),
                                                                       *args.overrides]))
+    log_dir = Path(cfg.logging.dir).resolve()
     print(f"hpcrl run: {cfg.trainer.experiment}: 1 controller + {w} workers on this machine; "
-          f"run dir {cfg.trainer.run_dir}", flush=True)
+          f"run dir {cfg.trainer.run_dir}" + ("" if cfg.logging.verbose else
+                                               f"; every rank's full output in {log_dir}/rank*.log"), flush=True)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # every rank is a process; threads would oversubscribe
-    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # per-step engine chatter from every worker otherwise
-    # each rank also keeps its stderr in {run_dir}/logs/rank{R}.{host}.stderr (launchers/hpcrl_entry.py)
-    env["HPCRL_RUN_DIR"] = str(Path(cfg.trainer.run_dir).resolve())
+    # vLLM's INFO lines (engine set-up, memory per step) go to each rank's file; on a verbose terminal
+    # they would be per-step chatter from every worker
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING" if cfg.logging.verbose else "INFO")
+    # each rank keeps its output in {logging.dir}/rank{R}.{host}.log; the terminal shows what
+    # logging.verbose says (launchers/hpcrl_entry.py)
+    env.update(rank_output_env(cfg))
     try:
         return subprocess.run(argv, env=env).returncode
     except KeyboardInterrupt:
@@ -157,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("run", help="run a config on this machine (controller + workers under mpiexec)")
     _add_config_args(p)
+    add_verbose_argument(p)
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("plot", help="PNGs of a run's metrics: rewards, lengths, KL/entropy, time per phase, memory")

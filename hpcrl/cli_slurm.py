@@ -28,6 +28,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     from hpcrl.launch.slurm_query import is_active
     from hpcrl.launch.submit import SubmitRequest, prepare, submit
 
+    if args.verbose:  # the job's terminal is its Slurm log: every rank's library output goes there too
+        args.overrides = [*args.overrides, "logging.verbose=true"]
     try:
         req = SubmitRequest(config=args.config, overrides=list(args.overrides), nodes=args.nodes,
                             gpus_per_node=args.gpus_per_node, partition=args.partition, time=args.time,
@@ -154,7 +156,7 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Register submit, status and cancel on the `hpcrl` parser."""
-    from hpcrl.cli import _add_config_args
+    from hpcrl.cli import _add_config_args, add_verbose_argument
 
     p = sub.add_parser("submit", help="submit a run as a Slurm heterogeneous job (controller + worker nodes)",
                        description="Validate CONFIG (exit 2 naming the key), then submit one heterogeneous job: "
@@ -173,6 +175,7 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--target", default="hpcrl.trainer.main:main",
                    help="controller program prog.py[:func] or package.module[:func]; it gets CONFIG KEY=VALUE... "
                         "as its arguments (default: the trainer)")
+    add_verbose_argument(p)
     p.add_argument("--dry-run", action="store_true", help="print the batch script and the program; submit nothing")
     p.add_argument("--json", action="store_true", help="print the job id and paths as one JSON object")
     p.set_defaults(func=cmd_submit)

@@ -10,11 +10,14 @@ non-zero int that the function returns becomes rank 0's exit status, after the c
 Why a separate entry: the launcher does not know the algorithm and the algorithm does not
 know how it was launched; a program may equally call `hpcrl.controller.run(main)` itself.
 
-Every rank's stderr is also kept in a file (so that the controller can quote a rank that died
-inside C++, see hpcrl/controller/stderr_log.py): `$HPCRL_LOG_DIR/rank{R}.{host}.stderr` if set,
-else `$HPCRL_RUN_DIR/logs/rank{R}.{host}.stderr` (`hpcrl run` and the Slurm launcher set HPCRL_RUN_DIR), else
-`{tmp}/hpcrl-{uid}/stderr/rank{R}.{host}.{pid}.stderr`, removed when the rank ends cleanly (and
-after 3 days otherwise). `--no-stderr-capture` or HPCRL_STDERR_CAPTURE=0 turns it off.
+Every rank's output (stdout and stderr) is also kept in a file (so that the controller can quote
+a rank that died inside C++, and a quiet terminal loses nothing; see hpcrl/controller/stderr_log.py):
+`$HPCRL_LOG_DIR/rank{R}.{host}.log` if set, else `$HPCRL_RUN_DIR/logs/rank{R}.{host}.log` (`hpcrl run`
+and the Slurm launcher set both from the config), else `{tmp}/hpcrl-{uid}/stderr/rank{R}.{host}.{pid}.log`,
+removed when the rank ends cleanly (and after 3 days otherwise). `--no-stderr-capture` or
+HPCRL_STDERR_CAPTURE=0 turns it off. HPCRL_TERMINAL=quiet (what `hpcrl run` and the Slurm launcher set
+unless logging.verbose) keeps the libraries' output off the terminal: it shows hpcrl's lines and errors
+(hpcrl/controller/console.py); unset or `verbose`, the terminal shows everything, as without the capture.
 """
 
 from __future__ import annotations
@@ -54,27 +57,28 @@ def _load(target: str) -> Callable[[], Any]:
     return getattr(module, func)
 
 
-def _stderr_path() -> tuple[str, bool]:
-    """Where this rank's stderr is also kept, and whether that file is temporary.
-
-    The rank comes from the launcher's variables: MPI has not started yet (the capture must be in
-    place before it, and before any thread); the controller learns each rank's real path at start.
-    """
-    rank = next((os.environ[v] for v in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+def _launcher_rank() -> str | None:
+    """This rank's number from the launcher's variables: MPI has not started yet (the capture must be
+    in place before it, and before any thread); the controller learns each rank's real path at start."""
+    return next((os.environ[v] for v in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
                  if os.environ.get(v)), None)
+
+
+def _log_path(rank: str | None) -> tuple[str, bool]:
+    """Where this rank's output is also kept, and whether that file is temporary."""
     host = socket.gethostname()
     base = os.environ.get("HPCRL_LOG_DIR") or (
         os.path.join(os.environ["HPCRL_RUN_DIR"], "logs") if os.environ.get("HPCRL_RUN_DIR") else "")
     if base:  # kept with the run; a Slurm restart appends to the same file
-        name = f"rank{rank}.{host}.stderr" if rank is not None else f"pid{os.getpid()}.{host}.stderr"
+        name = f"rank{rank}.{host}.log" if rank is not None else f"pid{os.getpid()}.{host}.log"
         return os.path.join(base, name), False
     base = os.path.join(tempfile.gettempdir(), f"hpcrl-{os.getuid()}", "stderr")
     _prune(base, 3 * 86400)
-    return os.path.join(base, f"rank{rank}.{host}.{os.getpid()}.stderr"), True
+    return os.path.join(base, f"rank{rank}.{host}.{os.getpid()}.log"), True
 
 
 def _prune(folder: str, max_age_s: float) -> None:
-    """Remove temporary stderr files of killed jobs (a clean rank removes its own)."""
+    """Remove temporary output files of killed jobs (a clean rank removes its own)."""
     try:
         names = os.listdir(folder)
     except OSError:
@@ -82,7 +86,7 @@ def _prune(folder: str, max_age_s: float) -> None:
     for name in names:
         path = os.path.join(folder, name)
         try:
-            if name.endswith(".stderr") and time.time() - os.stat(path).st_mtime > max_age_s:
+            if name.endswith((".log", ".stderr")) and time.time() - os.stat(path).st_mtime > max_age_s:
                 os.unlink(path)
         except OSError:
             pass
@@ -94,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--heartbeat-interval", type=float, help="seconds between heartbeats")
     parser.add_argument("--no-torch-dist", action="store_true", help="do not build torch.distributed")
     parser.add_argument("--no-stderr-capture", action="store_true",
-                        help="do not keep this rank's stderr in a file (the controller then cannot quote a dead rank)")
+                        help="do not keep this rank's output in a file (the controller then cannot quote a dead rank)")
     parser.add_argument("target", help="prog.py[:func] or package.module[:func]")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     ns = parser.parse_args(argv)
@@ -102,13 +106,18 @@ def main(argv: list[str] | None = None) -> None:
         sys.path.insert(0, _REPO)
 
     # first, before MPI and threads start: the capture forks (see hpcrl/controller/stderr_log.py)
+    rank = _launcher_rank()
+    label = f"rank {rank} {socket.gethostname()}" if rank is not None else f"pid {os.getpid()}"
     stderr_file, temporary = "", False
     if not ns.no_stderr_capture and os.environ.get("HPCRL_STDERR_CAPTURE", "1") != "0":
         from hpcrl.controller.stderr_log import start_capture
 
-        stderr_file, temporary = _stderr_path()
-        if not start_capture(stderr_file):
+        stderr_file, temporary = _log_path(rank)
+        if not start_capture(stderr_file, quiet=os.environ.get("HPCRL_TERMINAL") == "quiet", label=label):
             stderr_file = ""
+    from hpcrl.controller.console import setup_worker_logging  # the controller program may set its own
+
+    setup_worker_logging(label)
     # a segfault or abort in C/C++ then leaves the Python stacks of every thread in that file
     faulthandler.enable(all_threads=True)
 
@@ -144,10 +153,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         fn = _load(ns.target)
     except BaseException:
+        from hpcrl.controller.stderr_log import terminal
         from hpcrl.launch.world import abort
 
-        traceback.print_exc()
-        print(f"[hpcrl entry] cannot load {ns.target!r}; aborting the job", file=sys.stderr, flush=True)
+        traceback.print_exc(file=terminal(err=True))
+        print(f"[hpcrl entry] {label}: cannot load {ns.target!r}; aborting the job", file=terminal(err=True),
+              flush=True)
         abort(1)
     result = run(fn, opts)
     if temporary:  # a clean end: nothing to investigate (the copy to the terminal goes on until exit)

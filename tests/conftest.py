@@ -89,10 +89,13 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def hpcrl_run(run_dir: Path, *overrides: str, timeout: float = 900) -> list[dict]:
-    """`hpcrl run configs/grpo_tiny.yaml` on this machine; the run's step records."""
+def hpcrl_run(run_dir: Path, *overrides: str, timeout: float = 900, env: dict[str, str] | None = None) -> list[dict]:
+    """`hpcrl run configs/grpo_tiny.yaml` on this machine; the run's step records. What the terminal
+    showed is kept beside the run directory: `terminal.stdout`, `terminal.stderr`."""
     r = run([HPCRL, "run", "configs/grpo_tiny.yaml", f"trainer.run_dir={run_dir}", *TRAIN_OVERRIDES, *overrides],
-            timeout=timeout)
+            timeout=timeout, env={**os.environ, **(env or {})})
+    (run_dir.parent / "terminal.stdout").write_text(r.stdout)
+    (run_dir.parent / "terminal.stderr").write_text(r.stderr)
     assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}"
     return read_jsonl(run_dir / "metrics.jsonl")
 

@@ -26,7 +26,8 @@ def problems_of(*overrides: str, path: str = TINY, check_paths: bool = True) -> 
 
 
 @pytest.mark.parametrize("recipe,check_paths", [
-    ("grpo_tiny.yaml", True), ("grpo_smollm2.yaml", True), ("ppo_70b.yaml", False)])
+    ("grpo_tiny.yaml", True), ("grpo_smollm2.yaml", True), ("ppo_70b.yaml", False), ("grpo_tools_tiny.yaml", True),
+    ("grpo_tools_smollm2.yaml", True)])
 def test_shipped_recipes_validate(recipe: str, check_paths: bool) -> None:
     validate(load_config(REPO / "configs" / recipe), check_paths=check_paths)
 
@@ -226,3 +227,27 @@ def test_catalogue_is_large_and_run_refuses_before_launch(tmp_path) -> None:
         r = run([HPCRL, "run", TINY, f"trainer.run_dir={run_dir}", *case["overrides"]], timeout=60)
         assert r.returncode == 2 and case["key"] in r.stderr, r.stderr
         assert not run_dir.exists()
+
+
+def test_multi_turn_problems_name_the_key() -> None:
+    tools = str(REPO / "configs" / "grpo_tools_tiny.yaml")
+    assert problems_of("rollout.multi_turn.tools=[]", path=tools) == [
+        "rollout.multi_turn.tools: empty; rollout.multi_turn.enable=true needs at least one tool (built-in: "
+        "calculator, python, or {class: 'package.module:Class'})."]
+    (msg,) = problems_of('rollout.multi_turn.tools=["calculator", "nope"]', path=tools)
+    assert msg.startswith('rollout.multi_turn.tools[1]="nope": use a built-in name (calculator, python)'), msg
+    (msg,) = problems_of('rollout.multi_turn.tools=[{class: "no_such_pkg.mod:Tool"}]', path=tools)
+    assert msg.startswith("rollout.multi_turn.tools[0]=") and "'no_such_pkg.mod' is not importable" in msg, msg
+    (msg,) = problems_of('rollout.multi_turn.tools=[{klass: calculator}]', path=tools)
+    assert "unknown keys ['klass']" in msg, msg
+    (msg,) = problems_of("rollout.multi_turn.format=xml", path=tools)
+    assert msg.startswith('rollout.multi_turn.format="xml": use a built-in name (hermes)'), msg
+    (msg,) = problems_of("rollout.multi_turn.max_turns=0", path=tools)
+    assert msg == "rollout.multi_turn.max_turns=0: must be >= 1.", msg
+    (msg,) = problems_of("algorithm.overlong_buffer=4", path=tools)
+    assert msg.startswith("algorithm.overlong_buffer=4: DAPO's overlong penalty"), msg
+    # the tiny model has 1024 positions; 128 prompt tokens + 1000 would not fit
+    (msg,) = problems_of("rollout.multi_turn.max_total_tokens=1000", path=tools)
+    assert msg.startswith("rollout.multi_turn.max_total_tokens=1000: with data.max_prompt_length=128"), msg
+    # off (the default): nothing is checked
+    validate(load_config(TINY, ["rollout.multi_turn.format=xml"]))

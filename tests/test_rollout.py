@@ -128,6 +128,41 @@ def test_no_two_samples_share_a_random_stream(checks: dict) -> None:
     assert s["distinct_of_first_prompt"] == 4, s  # both copies' 2 samples all differ
 
 
+def test_multi_turn_rows_are_what_vllm_was_fed_and_wrote(checks: dict) -> None:
+    """The multi-turn loop on the 4 replicas (toy marker format: a turn that writes "e" calls
+    text_stats; hpcrl/agents/toy.py), each row checked position by position in rollout_checks.py."""
+    mt = checks["multi_turn"]
+    assert mt["rows"] == 24 and mt["bad_rows"] == [], mt["bad_rows"]
+    # calls happened and every tool turn is the template's rendering of the tool's answer
+    assert mt["tool_turns"] > 0 and mt["tool_turns_ok"] == mt["tool_turns"], mt["tool_turn_mismatches"]
+    assert mt["tool_tokens"] > 0 and mt["model_tokens"] > 0
+    assert all(stop == ["e"] for stop in mt["stops"])  # the format's stop string, every turn
+    assert len(mt["stops"]) == max(mt["turns"])  # one batched call per turn
+    # limits: 3 turns, 64 tokens after the prompt
+    assert max(mt["turns"]) <= 3 and max(mt["used"]) <= 64, mt
+    assert sum(mt["turns"]) == mt["turns_served"]
+    m = mt["metrics"]
+    assert m["multi_turn/turns_max"] == max(mt["turns"]) and m["multi_turn/tokens_after_prompt_max"] <= 64
+    ends = {e: mt["ends"].count(e) / 24 for e in ("answer", "max_turns", "budget", "turn_length")}
+    assert all(m[f"multi_turn/ended_{e}"] == pytest.approx(v) for e, v in ends.items()), (m, ends)
+    assert sum(ends.values()) == pytest.approx(1.0)
+    # failing calls are answered with an error, counted, and the conversations go on
+    assert m["multi_turn/tool_errors"] == mt["errors_counted"] > 0
+    assert m["multi_turn/tool_timeouts"] == mt["timeouts_counted"]
+
+
+def test_multi_turn_logprobs_on_model_tokens_match_the_actor(checks: dict) -> None:
+    mt = checks["multi_turn"]
+    # vLLM's log-probs of the model's tokens against the actor's (fp32, T=1), tool tokens excluded
+    assert mt["gap"]["rollout_actor_logprob_gap_max"] <= 1e-4, mt["gap"]
+    assert mt["actor_lp_outside_mask"] == 0.0  # response_only: nothing computed on tool tokens
+    # tool tokens are context: the response's holes change nothing in the packing (shared prompt on
+    # and off) or against a full forward over every position
+    assert mt["shared_vs_unshared"] <= 1e-5 and mt["response_only_vs_full"] <= 1e-5, mt
+    # seeds: one turn of the loop is generate() with the same seed (and the marker as stop string)
+    assert mt["one_turn_equals_generate"] and mt["one_turn_logprob_diff"] <= 1e-5, mt
+
+
 def test_sample_seeds_are_distinct_and_split_independent() -> None:
     from hpcrl.engines.vllm.engine import sample_seed
 

@@ -88,11 +88,16 @@ def _wait_for(pred, what: str, timeout: float) -> None:
     pytest.fail(f"timed out waiting for {what}")
 
 
+# in the environment of every job here: it must reach no file of a run (job script, logs, config)
+FAKE_WANDB_KEY = "hpcrl-test-fake-wandb-key-in-a-job-5c0e27"
+
+
 @pytest.fixture(scope="module")
 def env_registry(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """A private job registry for this module (the CLI and, through sbatch's environment, the jobs use it)."""
+    """A private job registry for this module (the CLI and, through sbatch's environment, the jobs use
+    it), and a W&B key that sbatch passes on to the jobs."""
     reg = tmp_path_factory.mktemp("registry") / "jobs.jsonl"
-    return {**os.environ, "HPCRL_JOB_REGISTRY": str(reg)}
+    return {**os.environ, "HPCRL_JOB_REGISTRY": str(reg), "WANDB_API_KEY": FAKE_WANDB_KEY}
 
 
 @pytest.fixture(scope="module")
@@ -187,6 +192,14 @@ def test_submit_grpo_hetjob_completes(jobs: dict, env_registry: dict[str, str]) 
     assert "#SBATCH hetjob" in script and "#SBATCH --signal=B:USR1@300" in script
     assert "#SBATCH --requeue" in script and "#SBATCH --open-mode=append" in script
     assert "[hpcrl slurm] srun exited with status 0" in Path(sub["stderr"]).read_text(errors="replace")
+    # quiet job log: the step lines; each rank's library output in its own file of the run
+    out = Path(sub["stdout"]).read_text(errors="replace")
+    assert sum(f"step {n}/3 | reward " in out for n in (1, 2, 3)) == 3, out[-3000:]
+    assert sorted(p.name.split(".")[0] for p in (run_dir / "logs").glob("rank*.log")) == [
+        f"rank{r}" for r in range(5)], sorted(p.name for p in (run_dir / "logs").iterdir())
+    # the W&B key of the job's environment is in none of its files (batch script, pickles, logs, config)
+    leaked = [p for p in run_dir.rglob("*") if p.is_file() and FAKE_WANDB_KEY.encode() in p.read_bytes()]
+    assert not leaked, leaked
     st = run([HPCRL, "status", job, "--json"], env=env_registry)
     assert st.returncode == 0, st.stderr
     status = json.loads(st.stdout)

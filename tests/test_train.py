@@ -11,15 +11,21 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import HPCRL, TRAIN_STEPS, hpcrl_run, run
+from conftest import HPCRL, TRAIN_STEPS, hpcrl_run, read_jsonl, run
+
+# W&B offline gets a key in its environment it must never write anywhere (hpcrl.trainer.wandb_sink)
+FAKE_WANDB_KEY = "hpcrl-test-fake-wandb-key-8f3a91c2d7e4b605"
 
 
 @pytest.fixture(scope="module")
 def ppo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    """The PPO run, which also writes TensorBoard and an offline W&B run, with a W&B key in its environment."""
     d = tmp_path_factory.mktemp("ppo") / "run"
     return d, hpcrl_run(d, "algorithm.adv_estimator=gae", "algorithm.use_kl_in_reward=true",
                         "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.01", "critic.optim.lr=1e-3",
-                        "algorithm.dynamic_sampling=true", "checkpoint.save_every=3", "checkpoint.async_save=true")
+                        "algorithm.dynamic_sampling=true", "checkpoint.save_every=3", "checkpoint.async_save=true",
+                        "logging.tensorboard=true", "logging.wandb.mode=offline",
+                        env={"WANDB_API_KEY": FAKE_WANDB_KEY})
 
 
 def mean(xs: list[float]) -> float:
@@ -61,7 +67,7 @@ def test_step_record(algo: str, request: pytest.FixtureRequest) -> None:
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{TRAIN_STEPS:08d}"
     if algo == "ppo":
         assert run([HPCRL, "ckpt", "verify", str(run_dir)]).returncode == 0  # sha256 of every file
-    assert (run_dir / "logs" / "controller.log").read_text().count(f"step {TRAIN_STEPS}/{TRAIN_STEPS}") == 1
+    assert (run_dir / "logs" / "controller.log").read_text().count(f"step {TRAIN_STEPS}/{TRAIN_STEPS} |") == 1
 
 
 # The 70B recipe's numeric path on CPU: bf16 weights with fp32 masters, TP=2, sampling at T=0.7, with
@@ -101,6 +107,67 @@ def test_bf16_runs_complete_with_finite_changed_weights(bf16_run: tuple[Path, li
     assert changed > 0.5 * sum(v.numel() for v in old.values())  # bf16 weights moved almost everywhere
 
 
+@pytest.fixture(scope="module")
+def tools_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    """Multi-turn GRPO with a tool (configs/grpo_tools_tiny.yaml: the toy marker format, a counting
+    tool that fails for some inputs and times out for others), 2 steps with validation."""
+    d = tmp_path_factory.mktemp("tools") / "run"
+    # 2 workers (the recipe has 4): half the engines to start, the same 32 conversations per step
+    r = run([HPCRL, "run", "configs/grpo_tools_tiny.yaml", f"trainer.run_dir={d}", "trainer.total_steps=2",
+             "trainer.workers_per_node=2", "logging.tensorboard=false"], timeout=900)
+    assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}"
+    return d, read_jsonl(d / "metrics.jsonl")
+
+
+def test_multi_turn_run_with_a_tool(tools_run: tuple[Path, list[dict]]) -> None:
+    run_dir, steps = tools_run
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        assert 1 <= m["multi_turn/turns_mean"] <= m["multi_turn/turns_max"] <= 3, m  # max_turns
+        assert m["multi_turn/tokens_after_prompt_max"] <= 64  # the token budget
+        assert m["multi_turn/tool_calls"] > 0 and 0 < m["multi_turn/tool_token_share"] < 1
+        ends = [m[f"multi_turn/ended_{e}"] for e in ("answer", "max_turns", "budget", "turn_length")]
+        assert sum(ends) == pytest.approx(1.0)
+        # the gap on the model's tokens (tool tokens are outside the mask), fp32 on both sides
+        assert m["rollout_actor_logprob_gap_mean"] <= 1e-4 and m["rollout_actor_logprob_gap_max"] < 1e-3, m
+        assert m["actor/optimizer_steps"] == 2 and m["actor/grad_norm"] > 0
+        assert m["response_length/mean"] > 0 and m["reward/errors"] == 0
+    # failing and hanging calls were answered with errors, counted, reported, and the run went on
+    assert sum(m["multi_turn/tool_errors"] for m in steps) > 0
+    assert sum(m["multi_turn/tool_errors_exception"] + m["multi_turn/tool_timeouts"] for m in steps) == \
+        sum(m["multi_turn/tool_errors"] for m in steps)
+    assert "val/reward_mean" in steps[0]  # validation ran through the loop too (greedy, no seeds)
+    log = (run_dir / "logs" / "controller.log").read_text()
+    assert "multi-turn rollout: 32 samples" in log and "tool calls failed (" in log
+
+
+def test_grpo_with_the_code_execution_reward(tmp_path: Path) -> None:
+    """GRPO on the tiny coding tasks of `make data` (data/code: stdin/stdout test cases in the ground
+    truth) scored by the sandbox reward, 2 steps end to end. The random model writes no ```python
+    block, so its samples score 0, but every row's test cases were parsed in the reward workers (a
+    malformed one counts in reward/errors); the reference programs of the same rows, scored through
+    the same reward workers, pass every case, and a wrong one passes none."""
+    import json
+
+    from hpcrl.rewards import RewardInput, RewardScorer
+
+    steps = hpcrl_run(tmp_path / "run", "data.train_files=[data/code/train.jsonl]", "data.val_files=[]",
+                      "reward.function=hpcrl.sandbox.reward:fraction_passed", "reward.timeout_s=30",
+                      "trainer.total_steps=2", "data.max_prompt_length=192", "trainer.workers_per_node=2")
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        assert m["reward/errors"] == 0 and m["reward/timeouts"] == 0 and 0.0 <= m["reward/mean"] <= 1.0, m
+        assert "reward_by_source/hpcrl/code/mean" in m and m["actor/optimizer_steps"] >= 1
+    rows = read_jsonl(Path("data/code/train.jsonl"))[:6]  # one of each task
+    wrong = "```python\nprint(0)\n```"
+    items = [RewardInput(data_source=r["data_source"], response=f"```python\n{r['extra_info']['solution']}```",
+                         ground_truth=r["reward_model"]["ground_truth"], extra_info={}) for r in rows]
+    items.append(RewardInput(data_source="hpcrl/code", response=wrong,
+                             ground_truth=json.dumps({"inputs": ["1 2\n"], "outputs": ["3\n"]}), extra_info={}))
+    with RewardScorer("hpcrl.sandbox.reward:fraction_passed", timeout_s=30.0, workers=2) as scorer:
+        assert scorer.score(items).scores == [1.0] * 6 + [0.0]
+
+
 def test_plot_and_progress_lines(ppo: tuple[Path, list[dict]], tmp_path: Path) -> None:
     """`hpcrl plot` draws the PPO run (rewards, lengths, KL, time per phase, memory) into PNGs; each
     step's log line carries an ETA until the last; a directory without steps is refused by name."""
@@ -124,3 +191,74 @@ def test_plot_and_progress_lines(ppo: tuple[Path, list[dict]], tmp_path: Path) -
     assert [duration(s) for s in (4, 725, 11220, 187200)] == ["4 s", "12m05s", "3h07m", "2d04h"]
     empty = run([HPCRL, "plot", str(tmp_path)])
     assert empty.returncode == 1 and "metrics.jsonl: no step records" in empty.stderr, empty.stderr
+
+
+# What every PPO step records (issue: metrics), by the names metrics.jsonl, TensorBoard and W&B use.
+STEP_METRICS = [
+    "reward/mean", "reward/std", "reward_by_source/hpcrl/arith/mean", "reward_by_source/hpcrl/arith/std",
+    "response_length/mean", "response_length/max", "prompt_length/mean",
+    "actor/kl", "actor/ppo_kl", "actor/entropy", "actor/pg_clipfrac", "actor/grad_norm", "actor/lr",
+    "advantages/mean", "advantages/std", "advantages/min", "advantages/max",
+    "rollout_actor_logprob_gap_mean", "rollout_actor_logprob_gap_max",
+    "throughput/tokens_per_s", *(f"throughput/{phase}_tokens_per_s" for phase in
+                                 ("generate", "old_logprob", "ref_logprob", "values", "update_critic", "update_actor")),
+    *(f"time/{phase}" for phase in ("step", "reshard", "generate", "to_training", "old_logprob", "ref_logprob",
+                                    "values", "update_critic", "update_actor")),
+    # peak memory per rank: the controller (0) and the 4 workers, RSS on CPU
+    *(f"memory/rank{r}/rss_gb" for r in range(5)), "memory/rss_gb_max", "memory/rss_gb_mean",
+    "critic/vf_loss", "critic/vf_clipfrac", "critic/grad_norm",
+]
+
+
+def test_every_step_records_every_metric(ppo: tuple[Path, list[dict]]) -> None:
+    _, steps = ppo
+    for m in steps:
+        missing = [k for k in STEP_METRICS if not isinstance(m.get(k), (int, float))]
+        assert not missing, f"step {m['step']} lacks {missing}"
+        assert m["actor/entropy"] > 0 and m["advantages/min"] <= m["advantages/mean"] <= m["advantages/max"]
+        assert all(0.05 < m[f"memory/rank{r}/rss_gb"] < 5 for r in range(5)), m
+        assert m["reward_by_source/hpcrl/arith/mean"] == pytest.approx(m["reward/mean"])  # the only data source
+
+
+def test_tensorboard_reader_and_wandb_offline(ppo: tuple[Path, list[dict]]) -> None:
+    """TensorBoard's own reader reads every step metric back; W&B offline wrote its run folder, and the
+    W&B key of the environment is nowhere under the run directory, nor in what the terminal showed."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir, steps = ppo
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert not set(STEP_METRICS) - tags, sorted(set(STEP_METRICS) - tags)
+    rewards = events.Scalars("reward/mean")
+    assert [e.step for e in rewards] == [m["step"] for m in steps]
+    assert [e.value for e in rewards] == pytest.approx([m["reward/mean"] for m in steps], rel=1e-6)
+
+    (offline,) = (run_dir / "wandb").glob("offline-run-*")
+    assert list(offline.glob("*.wandb")) and (offline / "files").is_dir(), sorted(p.name for p in offline.iterdir())
+    key = FAKE_WANDB_KEY.encode()
+    leaked = [p for p in [*run_dir.rglob("*"), run_dir.parent / "terminal.stdout", run_dir.parent / "terminal.stderr"]
+              if p.is_file() and key in p.read_bytes()]
+    assert not leaked, leaked
+    assert "wandb:\n    mode: offline" in (run_dir / "config.yaml").read_text()  # the saved config was searched too
+
+
+def test_quiet_terminal_full_logs(ppo: tuple[Path, list[dict]]) -> None:
+    """The terminal shows hpcrl's lines (one per step); each rank's library output is in its own file."""
+    run_dir, _ = ppo
+    out = (run_dir.parent / "terminal.stdout").read_text()
+    err = (run_dir.parent / "terminal.stderr").read_text()
+    step_lines = [ln for ln in out.splitlines() if f"/{TRAIN_STEPS} | reward " in ln]
+    assert len(step_lines) == TRAIN_STEPS, out
+    assert all(" | kl " in ln and " | tok/s " in ln for ln in step_lines)
+    library_lines = [ln for ln in (out + err).splitlines()
+                     if ln and " hpcrl" not in ln and not ln.startswith("hpcrl run:")]
+    assert not library_lines, "\n".join(library_lines[:20])
+    logs = run_dir / "logs"
+    for rank in range(5):
+        (log,) = logs.glob(f"rank{rank}.*.log")
+        text = log.read_text(errors="replace")
+        assert text.startswith("[hpcrl stderr] start pid=") and "[hpcrl stderr] exit pid=" in text, log
+    # what the workers' libraries printed (vLLM's engine set-up, megatron, torch) is there, not on the terminal
+    worker_text = "".join(p.read_text(errors="replace") for p in logs.glob("rank[1-4].*.log"))
+    assert len(worker_text.splitlines()) > 4 * 3, worker_text[:3000]

@@ -13,6 +13,7 @@ import argparse
 import json
 import random
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 DATA_SOURCE = "hpcrl/arith"
@@ -75,19 +76,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--format", choices=("parquet", "jsonl"), default="parquet")
     ap.add_argument("--force", action="store_true")
     args = ap.parse_args(argv)
-    out = Path(args.out)
     recipe = {k: getattr(args, k) for k in ("train", "val", "max_operand", "seed", "format")}
+    return build_splits(Path(args.out), recipe, args.force, "arith-data", "problems",
+                        lambda split, count: rows(split, count, args.seed, args.max_operand))
+
+
+def build_splits(out: Path, recipe: dict, force: bool, tag: str, unit: str,
+                 make_rows: Callable[[str, int], list[dict]]) -> int:
+    """Write out/{train,val}.{recipe['format']} with recipe['train'] / recipe['val'] rows, unless the
+    stamp says the same recipe built them already (a deleted split is rebuilt, not reported up to date)."""
     stamp = out / ".hpcrl-build.json"
-    outputs = [out / f"{split}.{args.format}" for split in ("train", "val")]
-    if (not args.force and stamp.is_file() and json.loads(stamp.read_text()) == recipe
-            and all(p.is_file() for p in outputs)):  # a deleted split is rebuilt, not reported up to date
-        print(f"[arith-data] {out} is up to date", flush=True)
+    outputs = [out / f"{split}.{recipe['format']}" for split in ("train", "val")]
+    if not force and stamp.is_file() and json.loads(stamp.read_text()) == recipe and all(p.is_file() for p in outputs):
+        print(f"[{tag}] {out} is up to date", flush=True)
         return 0
     out.mkdir(parents=True, exist_ok=True)
-    for split, count in (("train", args.train), ("val", args.val)):
-        path = out / f"{split}.{args.format}"
-        write(path, rows(split, count, args.seed, args.max_operand))
-        print(f"[arith-data] wrote {path}: {count} problems", flush=True)
+    for path, split in zip(outputs, ("train", "val")):
+        write(path, make_rows(split, recipe[split]))
+        print(f"[{tag}] wrote {path}: {recipe[split]} {unit}", flush=True)
     stamp.write_text(json.dumps(recipe))
     return 0
 

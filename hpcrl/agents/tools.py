@@ -439,38 +439,45 @@ _LIMIT_TEXT = {
 BUILTIN_TOOLS: dict[str, type[Tool]] = {"calculator": CalculatorTool, "python": PythonTool}
 
 
-def load_tool(spec: str | Mapping[str, Any]) -> Tool:
-    """One tool from config: a built-in name ("calculator"), or {"class": "package.module:Class" or a
-    built-in name, "kwargs": {...}}; Class(**kwargs) must be a Tool. ValueError naming what is wrong."""
+def build_from_spec(spec: str | Mapping[str, Any], builtins: Mapping[str, type], base: type, what: str) -> Any:
+    """An instance from a config entry: a built-in name, or {"class": "package.module:Class" or a
+    built-in name, "kwargs": {...}}; the class must subclass `base`. ValueError naming what is wrong
+    (`what`: "tool", "tool-call format"). Tools and tool-call formats are loaded alike."""
     if isinstance(spec, str):
         spec = {"class": spec}
     if not isinstance(spec, Mapping) or not isinstance(spec.get("class"), str):
-        raise ValueError(f"tool spec {spec!r}: use a built-in name ({', '.join(BUILTIN_TOOLS)}) or "
+        raise ValueError(f"{what} {spec!r}: use a built-in name ({', '.join(builtins)}) or "
                          "{'class': 'package.module:Class', 'kwargs': {...}}")
     unknown = set(spec) - {"class", "kwargs"}
     if unknown:
-        raise ValueError(f"tool spec {dict(spec)!r}: unknown keys {sorted(unknown)} (allowed: class, kwargs)")
+        raise ValueError(f"{what} {dict(spec)!r}: unknown keys {sorted(unknown)} (allowed: class, kwargs)")
     target, kwargs = spec["class"], dict(spec.get("kwargs") or {})
-    if target in BUILTIN_TOOLS:
-        cls: Any = BUILTIN_TOOLS[target]
+    if target in builtins:
+        cls: Any = builtins[target]
     else:
         module_name, _, attr = target.partition(":")
         if not module_name or not attr:
-            raise ValueError(f"tool class {target!r}: use 'package.module:Class' or a built-in name "
-                             f"({', '.join(BUILTIN_TOOLS)})")
+            raise ValueError(f"{what} {target!r}: use 'package.module:Class' or a built-in name "
+                             f"({', '.join(builtins)})")
         try:
             module = importlib.import_module(module_name)
         except ImportError as e:
-            raise ValueError(f"tool class {target!r}: cannot import {module_name!r} ({e})") from e
+            raise ValueError(f"{what} {target!r}: cannot import {module_name!r} ({e})") from e
         cls = getattr(module, attr, None)
-        if not (inspect.isclass(cls) and issubclass(cls, Tool)):
-            raise ValueError(f"tool class {target!r}: {attr!r} is not a subclass of hpcrl.agents.tools.Tool")
+        if not (inspect.isclass(cls) and issubclass(cls, base)):
+            raise ValueError(f"{what} {target!r}: {attr!r} is not a subclass of {base.__module__}.{base.__name__}")
     try:
-        tool = cls(**kwargs)
+        return cls(**kwargs)
     except TypeError as e:
-        raise ValueError(f"tool class {target!r}: bad kwargs {kwargs!r}: {e}") from e
+        raise ValueError(f"{what} {target!r}: bad kwargs {kwargs!r}: {e}") from e
+
+
+def load_tool(spec: str | Mapping[str, Any]) -> Tool:
+    """One tool from config: a built-in name ("calculator"), or {"class": "package.module:Class" or a
+    built-in name, "kwargs": {...}}; Class(**kwargs) must be a Tool. ValueError naming what is wrong."""
+    tool = build_from_spec(spec, BUILTIN_TOOLS, Tool, "tool")
     if not tool.name:
-        raise ValueError(f"tool class {target!r} has no name")
+        raise ValueError(f"tool {spec!r} has no name")
     return tool
 
 

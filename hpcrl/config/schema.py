@@ -17,7 +17,7 @@ from omegaconf import MISSING
 class ModelConfig:
     """The policy model: a local HuggingFace folder (config.json + safetensors + tokenizer)."""
 
-    path: str = MISSING
+    path: str = MISSING  # the model's folder (config.json, *.safetensors, tokenizer files)
     # fp32 | bf16 | auto (auto: bf16 on GPU, fp32 on CPU, where bf16 log-probs drift by up to 0.19 nats)
     dtype: str = "auto"
     # Tokenizer folder when it is not beside the weights.
@@ -32,23 +32,25 @@ class ModelConfig:
 class ParallelConfig:
     """Training layout of one Megatron role. DP is what is left: workers / (TP * PP)."""
 
-    tensor_parallel: int = 1
-    pipeline_parallel: int = 1
+    tensor_parallel: int = 1  # TP: each layer's weights split over this many ranks
+    pipeline_parallel: int = 1  # PP: the layers split into this many stages
     # Optional: when set it must equal workers / (TP * PP); a cross-check for cluster recipes.
     data_parallel: int | None = None
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-6
-    min_lr: float = 0.0
-    lr_schedule: str = "constant"  # constant | cosine | linear
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
+    """AdamW of a trained role, with a learning-rate schedule over the run's optimizer steps."""
+
+    lr: float = 1e-6  # peak learning rate
+    min_lr: float = 0.0  # where cosine and linear end, at the run's last optimizer step
+    lr_schedule: str = "constant"  # after warmup: constant | cosine | linear (down to min_lr)
+    warmup_steps: int = 0  # optimizer steps of linear warmup from lr / warmup_steps to lr
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay
+    adam_beta1: float = 0.9  # decay of Adam's first moment
+    adam_beta2: float = 0.999  # decay of Adam's second moment
+    adam_eps: float = 1e-8  # added to Adam's denominator
+    clip_grad: float = 1.0  # clip the global gradient norm to this (0: no clipping)
 
 
 @dataclass
@@ -59,7 +61,7 @@ class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     # Samples per optimizer step; a step's rollout batch is split into several mini-batches.
     ppo_mini_batch_size: int = 16
-    ppo_epochs: int = 1
+    ppo_epochs: int = 1  # passes over the step's samples
     # Mini-batches are cut from a seeded shuffle of the step's prompts, each prompt's samples kept
     # together (seed: trainer.seed and the step, so a resumed run cuts the same ones); false: in
     # rollout order (prompt by prompt).
@@ -75,20 +77,23 @@ class ActorConfig:
     micro_batch_tokens: int = 4096
     # false: the padded baseline, micro_batch_size whole sequences per micro-batch
     packing: bool = True
-    micro_batch_size: int = 4
+    micro_batch_size: int = 4  # sequences per micro-batch without packing
     # Pack the samples of one prompt with that prompt once (it carries no loss): each sample's
     # answer attends to the shared copy. Same log-probs and update, ~40% fewer tokens at n=4 on the
     # demo. CPU (local layer spec) only; Transformer Engine's packed attention cannot express it.
     share_prompt: bool = True
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
+    clip_ratio_low: float = 0.2  # PPO clips the ratio below 1 - clip_ratio_low
+    clip_ratio_high: float = 0.2  # and above 1 + clip_ratio_high (DAPO's clip-higher: a larger value)
     # Dual-clip lower bound for negative advantages (Ye et al. 2020); must be > 1.
     clip_ratio_c: float = 3.0
-    loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean
+    # How token losses make the mini-batch's loss: token-mean (over all its response tokens) |
+    # seq-mean-token-sum (each sequence's sum, averaged over sequences) | seq-mean-token-mean
+    loss_agg_mode: str = "token-mean"
+    # Weight of the entropy bonus in the actor's loss (the entropy is logged as actor/entropy either way).
     entropy_coeff: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "k3"  # k1 | k2 | k3
+    use_kl_loss: bool = False  # a KL-to-reference term in the actor's loss (GRPO's), instead of in the reward
+    kl_loss_coef: float = 0.001  # its weight
+    kl_loss_type: str = "k3"  # the KL estimator of that term (Schulman's k1 | k2 | k3)
     # GPU only: move params/grads/optimizer state to host memory while vLLM generates.
     offload: bool = False
 
@@ -97,18 +102,19 @@ class ActorConfig:
 class CriticConfig:
     """Value model for GAE. `enable: null` means: on exactly when the estimator needs it (gae)."""
 
-    enable: bool | None = None
+    enable: bool | None = None  # true | false | null (on for adv_estimator gae)
     # Defaults to model.path (value head initialised fresh).
     model_path: str | None = None
     # Defaults to the actor's layout: the critic is colocated with the actor.
     parallel: ParallelConfig | None = None
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
-    ppo_mini_batch_size: int = 16
-    ppo_epochs: int = 1
+    ppo_mini_batch_size: int = 16  # as actor.ppo_mini_batch_size
+    ppo_epochs: int = 1  # as actor.ppo_epochs
     shuffle_minibatches: bool = True  # as actor.shuffle_minibatches
-    micro_batch_tokens: int = 4096
-    packing: bool = True
-    micro_batch_size: int = 4
+    micro_batch_tokens: int = 4096  # as actor.micro_batch_tokens
+    packing: bool = True  # as actor.packing
+    micro_batch_size: int = 4  # as actor.micro_batch_size
+    # New values stay within this distance of the old ones in the clipped value loss (PPO2).
     cliprange_value: float = 0.5
 
 
@@ -116,36 +122,72 @@ class CriticConfig:
 class ReferenceConfig:
     """Frozen reference policy for the KL term. `enable: null`: on when a KL term is used."""
 
-    enable: bool | None = None
+    enable: bool | None = None  # true | false | null (on when a KL term is used)
     # Defaults to the actor's layout: the reference is colocated with the actor.
     parallel: ParallelConfig | None = None
+
+
+@dataclass
+class MultiTurnConfig:
+    """Multi-turn rollout with tools (hpcrl/agents/rollout.py, docs/agents.md): each sample is a
+    conversation in which the model's tool calls are run and their answers appended, until an answer,
+    max_turns or the token budget. The trainer gets the same batch, with the tool tokens out of the
+    loss mask."""
+
+    enable: bool = False  # multi-turn rollout with tools on or off
+    # Model turns per sample (the first answer to the prompt counts).
+    max_turns: int = 4
+    # Tokens per sample after the prompt, model and tool tokens together (rollout.max_new_tokens
+    # bounds each model turn). vLLM's max_model_len is data.max_prompt_length + this.
+    max_total_tokens: int = 1024
+    # Each: a built-in name (calculator, python) or {class: "package.module:Class" | built-in, kwargs: {...}}.
+    tools: list[Any] = field(default_factory=list)
+    # How calls are written and parsed: hermes (<tool_call>{"name": ..., "arguments": {...}}</tool_call>,
+    # Qwen2.5 / Hermes), or {class: "package.module:Class", kwargs: {...}} (a hpcrl.agents.formats.ToolCallFormat).
+    format: Any = "hermes"
+    # The tools' schemas go to the chat template (`tools=`) when the prompts are built; templates that
+    # render them (Qwen2.5's) describe the tools to the model themselves.
+    tools_in_prompt: bool = True
+    # A system message for every prompt (for templates that ignore `tools=`); "{tools}" in it becomes
+    # the tools' JSON schemas, one a line. A prompt's own system message follows it in the same message.
+    system_prompt: str | None = None
+    # Calls past this many in one model turn are not run; each gets an error answer (counted).
+    max_tool_calls_per_turn: int = 4
+    # Bound on one tool call unless the tool sets its own timeout_s.
+    tool_timeout_s: float = 30.0
+    # A tool's answer longer than this many characters is cut in the middle.
+    max_tool_result_chars: int = 4000
 
 
 @dataclass
 class RolloutConfig:
     """vLLM rollout engine, colocated with the trainer. Rollout DP = workers / rollout TP."""
 
-    tensor_parallel: int = 1
+    tensor_parallel: int = 1  # TP of each vLLM engine (independent of the trainer's layout)
     n: int = 4  # samples per prompt (the group of GRPO/RLOO)
+    # Sampling temperature; the trainer's log-probs are those of softmax(logits / temperature).
     temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 256
-    stop: list[str] = field(default_factory=list)
+    top_p: float = 1.0  # nucleus sampling: the smallest set of tokens with this much probability
+    top_k: int = -1  # sample among the k likeliest tokens (-1: all)
+    max_new_tokens: int = 256  # longest response, in tokens
+    stop: list[str] = field(default_factory=list)  # strings that end a response
     # Device memory for weights + KV cache on GPU; KV-cache GiB per worker on CPU (fractions allowed;
     # null: sized to hold a step's samples, or a validation batch, of one replica at full length).
     gpu_memory_utilization: float = 0.5
-    cpu_kv_cache_gib: float | None = None
+    cpu_kv_cache_gib: float | None = None  # see gpu_memory_utilization
     # Size of one weight bucket pushed from the trainer layout into vLLM.
     weight_bucket_mb: int = 256
     # Passed through to vllm.LLM(...) as they are (e.g. enforce_eager, max_num_seqs).
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass
 class KLControlConfig:
-    type: str = "fixed"  # fixed | adaptive
-    kl_coef: float = 0.001
+    """The coefficient of the KL in the reward: fixed, or adapted towards target_kl (Ziegler et al. 2019)."""
+
+    type: str = "fixed"  # fixed | adaptive (towards target_kl)
+    kl_coef: float = 0.001  # the coefficient (adaptive: its start)
     target_kl: float = 0.1  # adaptive only
     horizon: int = 10000  # adaptive only
 
@@ -169,20 +211,22 @@ class AlgorithmConfig:
     # adv_estimator and policy_loss); dpo: offline preference optimisation, hpcrl/trainer/dpo.py
     # (algorithm.dpo; reads preference pairs, no rollout, reward or critic).
     name: str = "ppo"
-    adv_estimator: str = "grpo"  # gae | grpo | rloo | reinforce_plus_plus | reinforce_plus_plus_baseline | remax
-    policy_loss: str = "ppo_clip"  # ppo_clip | dual_clip | clip_higher (DAPO)
-    gamma: float = 1.0
-    lam: float = 1.0
-    norm_adv_by_std: bool = True
-    use_kl_in_reward: bool = False
-    kl_penalty: str = "k1"  # k1 | k2 | k3
+    # How advantages are estimated: gae (PPO, with a critic) | grpo | rloo | reinforce_plus_plus |
+    # reinforce_plus_plus_baseline | remax
+    adv_estimator: str = "grpo"
+    policy_loss: str = "ppo_clip"  # the actor's loss: ppo_clip | dual_clip | clip_higher (DAPO)
+    gamma: float = 1.0  # discount (GAE, REINFORCE++)
+    lam: float = 1.0  # GAE's lambda
+    norm_adv_by_std: bool = True  # GRPO: divide by the group's reward std (false: Dr. GRPO's mean-centring only)
+    use_kl_in_reward: bool = False  # subtract kl_coef * KL(actor || reference) from the token rewards
+    kl_penalty: str = "k1"  # the KL estimator in the reward: k1 | k2 | k3
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     # DAPO: drop groups whose rewards all agree and refill the batch, at most this many extra rounds.
     dynamic_sampling: bool = False
-    max_refill_rounds: int = 4
+    max_refill_rounds: int = 4  # see dynamic_sampling
     # DAPO soft overlong penalty: the last `overlong_buffer` tokens before the limit are penalised.
     overlong_buffer: int = 0
-    overlong_penalty: float = 1.0
+    overlong_penalty: float = 1.0  # the penalty at the limit (a linear ramp from 0 over the buffer)
     dpo: DPOConfig = field(default_factory=DPOConfig)
 
 
@@ -191,8 +235,10 @@ class RewardConfig:
     """`function: builtin` picks the rule-based scorer by data_source (math answers, format)."""
 
     function: str = "builtin"  # or "package.module:function"
+    # Bound on scoring one completion: past it the sample scores 0 (reward/timeouts) and the scoring
+    # process is killed.
     timeout_s: float = 10.0
-    format_weight: float = 0.0
+    format_weight: float = 0.0  # builtin: score = acc + format_weight * (answer in the expected format)
     # Optional reward model (a local HF folder); its score is added to the rule-based one.
     model_path: str | None = None
 
@@ -202,12 +248,12 @@ class DataConfig:
     """Prompts in the verl schema (prompt as chat messages, data_source, reward_model.ground_truth), or
     for DPO preference pairs in TRL's schema (prompt, chosen, rejected)."""
 
-    train_files: list[str] = field(default_factory=list)
-    val_files: list[str] = field(default_factory=list)
-    prompt_key: str = "prompt"
-    max_prompt_length: int = 512
+    train_files: list[str] = field(default_factory=list)  # .parquet or .jsonl files
+    val_files: list[str] = field(default_factory=list)  # greedy validation every trainer.val_every steps
+    prompt_key: str = "prompt"  # the column of the chat messages
+    max_prompt_length: int = 512  # longer prompts (tokens, chat template applied) are dropped and counted
     train_batch_size: int = 8  # prompts per step (DPO: preference pairs per step, one optimizer step)
-    val_batch_size: int = 64
+    val_batch_size: int = 64  # validation prompts per generate call
     val_max_samples: int = 0  # validate on the first N validation prompts; 0 = all
     # Rows that do not fit the schema (missing or mistyped fields, empty ground truth, lines that are
     # not UTF-8 JSON) are skipped and logged with their numbers while they are at most this share of
@@ -216,25 +262,27 @@ class DataConfig:
     # DPO (preference pairs in TRL's schema, hpcrl/data/preference.py): the fields of a row, and the
     # longest chosen / rejected response in tokens (EOS included); longer pairs are dropped and counted.
     chosen_key: str = "chosen"
-    rejected_key: str = "rejected"
-    max_response_length: int = 512
-    shuffle: bool = True
-    seed: int = 1
+    rejected_key: str = "rejected"  # see chosen_key
+    max_response_length: int = 512  # see chosen_key
+    shuffle: bool = True  # a seeded shuffle of the training rows (false: file order)
+    seed: int = 1  # of that shuffle
 
 
 @dataclass
 class TrainerConfig:
-    project: str = "hpcrl"
-    experiment: str = "default"
+    """The run: its name and directory, how long, how many workers, on what."""
+
+    project: str = "hpcrl"  # a group of runs (the run directory's parent, the W&B project)
+    experiment: str = "default"  # this run's name
     # Where logs, metrics and checkpoints of this run go.
     run_dir: str = "runs/${trainer.project}/${trainer.experiment}"
-    total_steps: int = 100
+    total_steps: int = 100  # training steps (rollout + update); a resumed run goes on to this many
     val_every: int = 0  # 0: no validation
-    seed: int = 1
+    seed: int = 1  # sampling seeds, mini-batch shuffles, megatron's initialisation
     # Workers = nnodes * workers_per_node (one per GPU, or one per CPU slot); the controller is extra.
     nnodes: int = 1
-    workers_per_node: int = 4
-    device: str = "auto"  # auto | cpu | cuda
+    workers_per_node: int = 4  # see nnodes
+    device: str = "auto"  # where the workers compute: auto (CUDA when there is a GPU) | cpu | cuda
     # Bound on every receive/collective: a hung or dead rank fails the run instead of hanging it.
     timeout_s: int = 600
     # An optimizer step whose loss or gradient is NaN/Inf is skipped (weights and optimizer state
@@ -245,29 +293,36 @@ class TrainerConfig:
 
 @dataclass
 class CheckpointConfig:
-    dir: str = "${trainer.run_dir}/checkpoints"
+    """Sharded checkpoints (docs/checkpoint.md): when to save, what to keep, where to resume from."""
+
+    dir: str = "${trainer.run_dir}/checkpoints"  # step_NNNNNNNN/ folders and the `latest` pointer
     save_every: int = 0  # steps; 0 = only on preemption and at the end
-    keep_last: int = 2
+    keep_last: int = 2  # the newest checkpoints kept; older ones are removed after a save
     keep_every: int = 0  # also keep every M-th step forever; 0 = none
-    async_save: bool = False
-    resume: str = "auto"  # auto | never | a checkpoint folder
+    async_save: bool = False  # workers write in the background while the next step runs
+    # auto: from the latest valid checkpoint in `dir`, if any | never | a checkpoint folder
+    resume: str = "auto"
     # A save the storage refuses (disk full, quota; see docs/reliability.md) is removed and the
     # previous checkpoint stays the one a resume uses. stop: the run ends, exit status 4.
     # continue: a warning, and training goes on until the next save (the final save, and the one
     # before a preemption stop, still end the run with status 4: the run's state is not on disk).
-    on_save_error: str = "stop"  # stop | continue
+    on_save_error: str = "stop"
 
 
 @dataclass
 class SlurmConfig:
-    partition: str | None = None
-    account: str | None = None
-    qos: str | None = None
-    time: str = "04:00:00"
+    """The hetjob of `hpcrl submit` (docs/slurm.md): group 0 the controller, group 1 the workers."""
+
+    partition: str | None = None  # --partition of both groups (null: the cluster's default)
+    account: str | None = None  # --account
+    qos: str | None = None  # --qos
+    time: str = "04:00:00"  # --time: MM, HH:MM:SS or D-HH:MM:SS
     gpus_per_node: int = 0  # 0: CPU workers
-    cpus_per_worker: int = 1
-    mem_per_node: str | None = None
-    constraint: str | None = None
+    cpus_per_worker: int = 1  # --cpus-per-task of every task (and OMP_NUM_THREADS)
+    mem_per_node: str | None = None  # --mem, e.g. 64G ("0": all of a node's memory)
+    constraint: str | None = None  # --constraint of the worker nodes
+    # Slurm may requeue the job after preemption or a node failure; the controller also requeues
+    # itself before the time limit (signal_before_s).
     requeue: bool = True
     # Requeues of a job whose run failed (a rank killed, OOM, a crash) before it is left failed; each
     # restart resumes from the last checkpoint. 0: a failed run stays failed. Needs `requeue`.
@@ -281,12 +336,41 @@ class SlurmConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases (optional: `pip install wandb`). The API key comes from WANDB_API_KEY in the
+    environment, which wandb reads itself: it is never part of the config, so it is never written to
+    the run directory, a checkpoint's config.yaml or a job script."""
+
+    # disabled | offline (a run folder under DIR/wandb/ to upload later with `wandb sync`) | online
+    # (streamed to the W&B server; needs WANDB_API_KEY).
+    mode: str = "disabled"
+    project: str = "${trainer.project}"  # the W&B project
+    # W&B team or user; null: the default entity of the API key.
+    entity: str | None = None
+    # wandb writes its run folders into DIR/wandb/.
+    dir: str = "${trainer.run_dir}"
+    # The W&B run's display name; its id comes from the run directory, so restarts continue one W&B run.
+    name: str = "${trainer.experiment}"
+
+
+@dataclass
 class LoggingConfig:
+    """Where the run's logs and metrics go, and what the terminal shows (docs/guide.md)."""
+
+    # controller.log and each rank's full output, rank{R}.{host}.log.
     dir: str = "${trainer.run_dir}/logs"
-    level: str = "INFO"
-    log_every: int = 1
-    tensorboard: bool = True
-    wandb: bool = False
+    level: str = "INFO"  # of the controller's log (controller.log, and hpcrl's lines on the terminal)
+    # false: the terminal (or Slurm's job log) shows hpcrl's lines and every rank's errors, the
+    # libraries' output of every rank goes to its file in `dir` only; true: everything on the terminal
+    # too (`hpcrl run --verbose`, `hpcrl submit --verbose`).
+    verbose: bool = False
+    log_every: int = 1  # a step line every N steps (and the last); metrics.jsonl gets every step
+    # A phase of a step (rollout, validation, update, checkpoint save) that has run this long gets a
+    # line with its rate and ETA, then one every progress_every_s (0: no such lines).
+    progress_after_s: float = 30.0
+    progress_every_s: float = 30.0  # see progress_after_s
+    tensorboard: bool = True  # TensorBoard event files in {trainer.run_dir}/tensorboard
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass

@@ -35,6 +35,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "algorithm.kl_ctrl.type": ("fixed", "adaptive"),
     "trainer.device": ("auto", "cpu", "cuda"),
     "logging.level": ("DEBUG", "INFO", "WARNING", "ERROR"),
+    "logging.wandb.mode": ("disabled", "offline", "online"),
     "slurm.mpi": ("pmi2", "pmix"),
     "checkpoint.on_save_error": ("stop", "continue"),
 }
@@ -54,6 +55,11 @@ RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     "rollout.gpu_memory_utilization": (0, 1, False),
     "rollout.cpu_kv_cache_gib": (0, None, False),
     "rollout.weight_bucket_mb": (1, None, True),
+    "rollout.multi_turn.max_turns": (1, None, True),
+    "rollout.multi_turn.max_total_tokens": (1, None, True),
+    "rollout.multi_turn.max_tool_calls_per_turn": (1, None, True),
+    "rollout.multi_turn.tool_timeout_s": (0, None, False),
+    "rollout.multi_turn.max_tool_result_chars": (1, None, True),
     "actor.ppo_mini_batch_size": (1, None, True),
     "actor.ppo_epochs": (1, None, True),
     "actor.micro_batch_tokens": (1, None, True),
@@ -97,6 +103,9 @@ RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     "trainer.timeout_s": (1, None, True),
     "trainer.max_nonfinite_steps": (0, None, True),
     "checkpoint.save_every": (0, None, True),
+    "logging.log_every": (1, None, True),
+    "logging.progress_after_s": (0, None, True),
+    "logging.progress_every_s": (0, None, True),
     "checkpoint.keep_last": (1, None, True),
     "checkpoint.keep_every": (0, None, True),
     "slurm.gpus_per_node": (0, None, True),
@@ -316,6 +325,67 @@ def read_hf_config(model_path: str) -> dict[str, Any]:
         return json.load(f)
 
 
+def _importable(module: str) -> bool:
+    """The module can be found on this process's path (without importing it)."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _check_class_spec(key: str, spec: Any, builtins: dict[str, Any], check_paths: bool, problems: list[str]) -> None:
+    """A `name` or {class: "package.module:Class" | name, kwargs: {...}} entry (tools, tool-call format)."""
+    shown = json.dumps(spec) if isinstance(spec, (str, dict, list)) else repr(spec)
+    allowed = f"a built-in name ({', '.join(builtins)}) or {{class: 'package.module:Class', kwargs: {{...}}}}"
+    if isinstance(spec, dict):
+        unknown = sorted(set(spec) - {"class", "kwargs"})
+        if unknown:
+            problems.append(f"{key}={shown}: unknown keys {unknown}; use {allowed}.")
+            return
+        if spec.get("kwargs") is not None and not isinstance(spec["kwargs"], dict):
+            problems.append(f"{key}.kwargs={json.dumps(spec['kwargs'])}: must be a mapping of keyword arguments.")
+            return
+        target = spec.get("class")
+    else:
+        target = spec
+    if not isinstance(target, str) or not (target in builtins or _ENTRY_POINT.match(target)):
+        problems.append(f"{key}={shown}: use {allowed}.")
+        return
+    if check_paths and target not in builtins:
+        module = target.split(":")[0]
+        if not _importable(module):
+            problems.append(f"{key}={shown}: module {module!r} is not importable (the controller imports it). "
+                            "Put it on PYTHONPATH.")
+
+
+def _check_multi_turn(cfg: DictConfig, check_paths: bool, problems: list[str]) -> None:
+    """rollout.multi_turn: tools and format written as the loader takes them, and what the RL loop's
+    other switches cannot do with conversations."""
+    from hpcrl.agents.formats import BUILTIN_FORMATS
+    from hpcrl.agents.tools import BUILTIN_TOOLS
+
+    mt = cfg.rollout.multi_turn
+    if not mt.enable:
+        return
+    if is_dpo(cfg):
+        problems.append("rollout.multi_turn.enable=true: algorithm.name=dpo trains on fixed preference pairs and "
+                        "generates nothing. Set it to false.")
+        return
+    tools = OmegaConf.to_container(mt.tools, resolve=True)
+    if not tools:
+        problems.append("rollout.multi_turn.tools: empty; rollout.multi_turn.enable=true needs at least one tool "
+                        f"(built-in: {', '.join(BUILTIN_TOOLS)}, or {{class: 'package.module:Class'}}).")
+    for i, spec in enumerate(tools):
+        _check_class_spec(f"rollout.multi_turn.tools[{i}]", spec, BUILTIN_TOOLS, check_paths, problems)
+    fmt = mt.format
+    fmt = OmegaConf.to_container(fmt, resolve=True) if OmegaConf.is_config(fmt) else fmt
+    _check_class_spec("rollout.multi_turn.format", fmt, BUILTIN_FORMATS, check_paths, problems)
+    if cfg.algorithm.overlong_buffer > 0:
+        problems.append(f"algorithm.overlong_buffer={cfg.algorithm.overlong_buffer}: DAPO's overlong penalty is "
+                        "measured against rollout.max_new_tokens, one turn; with rollout.multi_turn.enable=true set "
+                        "it to 0 (the token budget is rollout.multi_turn.max_total_tokens).")
+
+
 def _check_model_shape(cfg: DictConfig, hf: dict[str, Any], problems: list[str]) -> None:
     heads = hf.get("num_attention_heads")
     kv = hf.get("num_key_value_heads") or heads
@@ -333,6 +403,13 @@ def _check_model_shape(cfg: DictConfig, hf: dict[str, Any], problems: list[str])
         if layers % lay.pp:
             problems.append(f"{key}.pipeline_parallel={lay.pp}: the model has {layers} layers; PP must divide "
                             f"it (allowed: {_divisors(layers)}).")
+    mt = cfg.rollout.multi_turn
+    positions = hf.get("max_position_embeddings")
+    if mt.enable and positions and cfg.data.max_prompt_length + mt.max_total_tokens > positions:
+        problems.append(f"rollout.multi_turn.max_total_tokens={mt.max_total_tokens}: with data.max_prompt_length="
+                        f"{cfg.data.max_prompt_length} a conversation may reach "
+                        f"{cfg.data.max_prompt_length + mt.max_total_tokens} tokens, past the model's "
+                        f"{positions} positions (max_position_embeddings). Lower one of them.")
     rtp = cfg.rollout.tensor_parallel
     # vLLM replicates KV heads when TP exceeds them, so only the query heads must split evenly.
     if rtp >= 1 and (heads % rtp or (kv % rtp and rtp % kv)):
@@ -387,13 +464,12 @@ def _check_paths(cfg: DictConfig, problems: list[str]) -> dict[str, Any] | None:
     fn = cfg.reward.function
     if fn != "builtin" and _ENTRY_POINT.match(fn):
         module = fn.split(":")[0]
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except (ImportError, ValueError):
-            found = False
-        if not found:
+        if not _importable(module):
             problems.append(f"reward.function={fn!r}: module {module!r} is not importable. Put it on "
                             "PYTHONPATH on every node.")
+    if cfg.logging.wandb.mode != "disabled" and importlib.util.find_spec("wandb") is None:
+        problems.append(f"logging.wandb.mode={cfg.logging.wandb.mode!r}: wandb is not installed "
+                        "(`pip install wandb`), or set logging.wandb.mode=disabled.")
     return hf
 
 
@@ -452,6 +528,7 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> None:
     problems: list[str] = []
     _check_choices_and_ranges(cfg, problems)
     _check_layout(cfg, problems)
+    _check_multi_turn(cfg, check_paths, problems)
     if check_paths:
         hf = _check_paths(cfg, problems)
         if hf is not None:

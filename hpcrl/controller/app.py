@@ -26,6 +26,7 @@ from hpcrl.controller.codec import Encoded
 from hpcrl.controller.liveness import Liveness
 from hpcrl.controller.runtime import ControllerRuntime, set_runtime
 from hpcrl.controller.serve import serve_forever
+from hpcrl.controller.stderr_log import terminal
 from hpcrl.controller.transport import Backoff, tighten_timer_slack
 from hpcrl.launch.exit_order import ExitTurn, hydra_announces_exits, plan_exit
 from hpcrl.launch.world import CONTROLLER_RANK, World, abort, init_world
@@ -72,8 +73,9 @@ class RuntimeOptions:
 
 
 def _die(world: World, what: str, code: int) -> None:
+    # the terminal stream: a quiet terminal shows hpcrl's errors (and the rank's file gets them too)
     print(f"[hpcrl] {what} on {world.describe(world.rank)}; aborting the job:\n{traceback.format_exc()}",
-          file=sys.stderr, flush=True)
+          file=terminal(err=True), flush=True)
     abort(code)
     os._exit(code)
 
@@ -82,9 +84,9 @@ def _install_hooks(world: World) -> None:
     """Exceptions outside `main` (e.g. in a user thread) also end the job instead of hanging it."""
 
     def hook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
-        traceback.print_exception(exc_type, exc, tb)
+        traceback.print_exception(exc_type, exc, tb, file=terminal(err=True))
         print(f"[hpcrl] uncaught {exc_type.__name__} on {world.describe(world.rank)}; aborting the job",
-              file=sys.stderr, flush=True)
+              file=terminal(err=True), flush=True)
         abort(1)
 
     sys.excepthook = hook
@@ -130,12 +132,12 @@ def _finish(world: World, liveness: Liveness, timeout_s: float) -> None:
     while not MPI.Request.Testall(reqs):
         if time.monotonic() > deadline:
             print(f"[hpcrl] {world.describe(world.rank)}: peers did not reach the final barrier in "
-                  f"{timeout_s:g} s; aborting", file=sys.stderr, flush=True)
+                  f"{timeout_s:g} s; aborting", file=terminal(err=True), flush=True)
             abort(3)
         backoff.pause()
     if not liveness.drain(sent_to_me, time.monotonic() + timeout_s):
         print(f"[hpcrl] {world.describe(world.rank)}: some heartbeats still in flight at shutdown",
-              file=sys.stderr, flush=True)
+              file=terminal(err=True), flush=True)
     plan = plan_exit(world.rank, [p.host for p in world.processes], everyone[:, 0].tolist(),
                      [bool(a) for a in everyone[:, 1]], CONTROLLER_RANK)
     if plan is None:
@@ -157,7 +159,7 @@ def _finish(world: World, liveness: Liveness, timeout_s: float) -> None:
 def _worker_lost_controller(world: World, timeout_s: float) -> Callable[[int, float], None]:
     def on_lost(rank: int, silent_s: float) -> None:
         print(f"[hpcrl worker {world.describe(world.rank)}] controller {world.describe(rank)} silent for "
-              f"{silent_s:.1f} s (bound {timeout_s:g} s): aborting", file=sys.stderr, flush=True)
+              f"{silent_s:.1f} s (bound {timeout_s:g} s): aborting", file=terminal(err=True), flush=True)
         abort(4)
         os._exit(4)
 

@@ -13,7 +13,6 @@ then aborts the job, a worker aborts at once.
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from collections.abc import Callable
 import numpy as np
 from mpi4py import MPI
 
+from hpcrl.controller.stderr_log import terminal
 from hpcrl.controller.transport import TAG_BEAT
 from hpcrl.launch.world import CONTROLLER_RANK, World
 
@@ -97,7 +97,8 @@ class Liveness:
                             self._last[src] = time.monotonic()
             except MPI.Exception as e:  # a failed peer may surface as an MPI error; silence decides
                 if reported_errors < 3:
-                    print(f"[hpcrl liveness, rank {self.world.rank}] MPI error: {e}", file=sys.stderr, flush=True)
+                    print(f"[hpcrl liveness, rank {self.world.rank}] MPI error: {e}", file=terminal(err=True),
+                          flush=True)
                 reported_errors += 1
             now = time.monotonic()
             with self._lock:

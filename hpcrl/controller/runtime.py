@@ -13,7 +13,6 @@ arrive: see `ControllerRuntime.failure_error` and `hpcrl.controller.postmortem`.
 from __future__ import annotations
 
 import itertools
-import sys
 import threading
 import time
 from collections import deque
@@ -36,7 +35,7 @@ from hpcrl.controller.errors import (
 )
 from hpcrl.controller.gather import plan_merged
 from hpcrl.controller.liveness import Liveness
-from hpcrl.controller.stderr_log import exit_time, read_section
+from hpcrl.controller.stderr_log import exit_time, read_section, terminal
 from hpcrl.controller.transport import (
     TAG_CALL,
     TAG_CALL_DATA,
@@ -142,10 +141,10 @@ class ControllerRuntime:
         """Runs in the liveness thread: record, tell the user now, and make sure the job ends."""
         err = WorkerLostError(rank, self.world.describe(rank), silent_s, self.liveness.timeout_s)
         self._lost.setdefault(rank, (silent_s, time.monotonic(), time.time()))
-        print(f"[hpcrl controller] ERROR: {err}", file=sys.stderr, flush=True)
+        print(f"[hpcrl controller] ERROR: {err}", file=terminal(err=True), flush=True)
 
         def last_resort() -> None:
-            print(f"[hpcrl controller] aborting the job: {err}", file=sys.stderr, flush=True)
+            print(f"[hpcrl controller] aborting the job: {err}", file=terminal(err=True), flush=True)
             abort(2)
 
         timer = threading.Timer(self._abort_grace_s, last_resort)

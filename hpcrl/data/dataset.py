@@ -141,16 +141,27 @@ def _field(row: dict[str, Any], path: Path, n: int, key: str) -> Any:
     return node
 
 
+def with_system_prompt(messages: list[dict[str, str]], system_prompt: str) -> list[dict[str, str]]:
+    """The messages with `system_prompt` as their system message: put before a system message the
+    row has (one paragraph apart; templates expect one system message, first), or as a new first one."""
+    if messages and messages[0]["role"] == "system":
+        return [{"role": "system", "content": f"{system_prompt}\n\n{messages[0]['content']}"}, *messages[1:]]
+    return [{"role": "system", "content": system_prompt}, *messages]
+
+
 class PromptDataset:
     """All prompts of `files`, tokenized with the chat template, in file order.
 
     `tokenizer` is a HuggingFace tokenizer with a chat template (or the path of one). Rows that do not
     fit the schema (or lines that are not UTF-8 JSON) are skipped and logged with their row or line
     numbers while they are at most `max_skipped_row_share` of a file; above that the file is refused.
+    For multi-turn rollouts with tools: `tools` (function schemas) go to the chat template's `tools=`,
+    and `system_prompt` opens each prompt's system message (see `with_system_prompt`).
     """
 
     def __init__(self, files: list[str], tokenizer: Any, prompt_key: str = "prompt", max_prompt_length: int = 512,
-                 max_skipped_row_share: float = 0.0):
+                 max_skipped_row_share: float = 0.0, tools: list[dict[str, Any]] | None = None,
+                 system_prompt: str | None = None):
         if isinstance(tokenizer, (str, Path)):
             from transformers import AutoTokenizer
 
@@ -179,7 +190,11 @@ class PromptDataset:
                 meta.append((source, truth, extra))
         if not messages:
             raise ValueError(f"data: {', '.join(self.files)} hold no rows.")
-        texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in messages]
+        if system_prompt:
+            messages = [with_system_prompt(m, system_prompt) for m in messages]
+        extra = {"tools": tools} if tools else {}
+        texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False, **extra)
+                 for m in messages]
         ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
         keep = [i for i, x in enumerate(ids) if len(x) <= max_prompt_length]
         self.num_filtered = len(ids) - len(keep)

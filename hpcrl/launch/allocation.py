@@ -6,7 +6,8 @@ which `sbatch/*.sh` exec, or the function `hpcrl submit` hands to submitit). It
 1. checks that the job is a two-component hetjob (group 0: the controller, group 1: the workers),
 2. for a config-driven program: loads CONFIG + overrides, makes `trainer.nnodes` / `trainer.workers_per_node`
    match what Slurm actually allocated to group 1, pins `trainer.run_dir` to an absolute path, validates,
-3. exports `HPCRL_RUN_DIR` (what the resume logic needs besides `SLURM_RESTART_COUNT`, which Slurm sets)
+3. exports `HPCRL_RUN_DIR` (what the resume logic needs besides `SLURM_RESTART_COUNT`, which Slurm sets),
+   `HPCRL_LOG_DIR` and `HPCRL_TERMINAL` (each rank's output file, and quiet unless `logging.verbose`)
    and, under `--mpi=pmi2`, MPICH's netmod (`commands.SLURM_PMI2_ENV`: UCX's start-up overflows the plugin),
    records the job in the job registry and in `{run_dir}/slurm/job.json`,
 4. runs `srun --mpi=pmi2 --het-group=0,1 python launchers/hpcrl_entry.py TARGET ARGS...` as a child and
@@ -38,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from types import FrameType
 from typing import Any
 
-from hpcrl.launch.commands import entry_argv, srun_env, srun_het_command
+from hpcrl.launch.commands import entry_argv, rank_output_env, srun_env, srun_het_command
 
 TRAINER_TARGET = "hpcrl.trainer.main:main"
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -268,7 +269,7 @@ def launch(target: str, program_args: Sequence[str], *, config_args: bool = True
         args, cfg = resolve_config_args(args[0], args[1:], base_env)
         run_dir = str(cfg.trainer.run_dir)
         os.makedirs(run_dir, exist_ok=True)
-        run_env["HPCRL_RUN_DIR"] = run_dir
+        run_env.update(rank_output_env(cfg))  # HPCRL_RUN_DIR, and where each rank's output goes
         run_env.setdefault("OMP_NUM_THREADS", str(cfg.slurm.cpus_per_worker))
         if cfg.slurm.mpi != "pmi2":
             srun_extra = [f"--mpi={cfg.slurm.mpi}", *srun_extra]

@@ -13,6 +13,7 @@ import os
 import shutil
 import sys
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 ENTRY = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                      "launchers", "hpcrl_entry.py")
@@ -76,3 +77,12 @@ def srun_env(env: Mapping[str, str]) -> dict[str, str]:
 def entry_argv(target: str, program_args: Sequence[str] = (), python: str | None = None) -> list[str]:
     """`python launchers/hpcrl_entry.py TARGET ARGS...` for the commands above."""
     return [python or sys.executable, ENTRY, target, *program_args]
+
+
+def rank_output_env(cfg: Any) -> dict[str, str]:
+    """The variables through which launchers/hpcrl_entry.py learns where each rank's output file goes
+    ({logging.dir}/rank{R}.{host}.log) and what the terminal shows (quiet unless logging.verbose),
+    plus HPCRL_RUN_DIR, for `hpcrl run` and the Slurm launcher."""
+    return {"HPCRL_RUN_DIR": os.path.abspath(str(cfg.trainer.run_dir)),
+            "HPCRL_LOG_DIR": os.path.abspath(str(cfg.logging.dir)),
+            "HPCRL_TERMINAL": "verbose" if cfg.logging.verbose else "quiet"}

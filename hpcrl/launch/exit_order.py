@@ -26,7 +26,6 @@ from __future__ import annotations
 import os
 import select
 import signal
-import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -156,9 +155,12 @@ class ExitTurn:
                 if predecessor_gone and self.notices >= self.position:
                     return
                 if time.monotonic() - last_progress > self.stall_s:
+                    from hpcrl.controller.stderr_log import terminal  # (a quiet terminal shows it too)
+
                     print(f"[hpcrl] {self.who}: exit turn not confirmed after {self.stall_s:g} s without progress "
                           f"({self.notices}/{self.position} exit notices, previous proxy "
-                          f"{'gone' if predecessor_gone else 'alive'}); exiting anyway", file=sys.stderr, flush=True)
+                          f"{'gone' if predecessor_gone else 'alive'}); exiting anyway", file=terminal(err=True),
+                          flush=True)
                     return
                 select.select([self._fds[0]], [], [], 0.01)
         finally:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 from dataclasses import dataclass
 
@@ -65,7 +64,9 @@ class FaultInjector:
             return
         n = self.calls[method] = self.calls.get(method, 0) + 1
         if n == self.targets[method]:
+            from hpcrl.controller.stderr_log import terminal  # (a quiet terminal shows it too)
+
             # the test reads this line to time how fast the controller notices
             print(f"[hpcrl fault] rank {self.rank} pid {os.getpid()}: SIGKILL at call {n} of {method} "
-                  f"(unix time {time.time():.3f})", file=sys.stderr, flush=True)
+                  f"(unix time {time.time():.3f})", file=terminal(err=True), flush=True)
             os.kill(os.getpid(), signal.SIGKILL)

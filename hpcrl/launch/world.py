@@ -150,4 +150,7 @@ def abort(code: int = 1) -> None:
             stream.flush()
         except Exception:
             pass
+    capture = sys.modules.get("hpcrl.controller.stderr_log")  # loaded if this rank's output is captured
+    if capture is not None:
+        capture.flush_terminal()  # hpcrl's error lines, on their way to a quiet terminal
     MPI.COMM_WORLD.Abort(code)

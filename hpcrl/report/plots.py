@@ -14,7 +14,9 @@ last record of a step or validation point counts, as in `hpcrl status`). Writes,
   is on);
 - `time.png`: seconds per phase as stacked bars per step (the `time/*` metrics), the step's
   wall time as a line;
-- `memory.png`: peak memory per worker per step (`memory/*`: RSS on CPU, CUDA peaks on GPU).
+- `memory.png`: peak memory per step, the max and mean over the workers (`memory/*`: RSS on CPU, CUDA
+  peaks on GPU) and each rank's own (`memory/rank<R>/*`, the controller is rank 0) while there are
+  few enough of them to tell apart.
 
 matplotlib draws off-screen (the Agg backend): no display is needed on a login node.
 """
@@ -28,6 +30,7 @@ from typing import Any
 from hpcrl.trainer.metrics import read_metrics, read_records
 
 STEP_TOTAL = "time/step"
+MAX_RANK_LINES = 24  # memory/rank<R>/* lines drawn one per rank up to this many
 
 
 class NoMetricsError(RuntimeError):
@@ -158,9 +161,14 @@ def plot_run(run_dir: Path | str, out_dir: Path | str | None = None) -> list[Pat
 
     fig, ax = plt.subplots(figsize=(10, 4.5))
     drew = False
-    for key in sorted(k for k in keys if k.startswith("memory/")):
+    memory = sorted(k for k in keys if k.startswith("memory/"))
+    per_rank = [k for k in memory if k.startswith("memory/rank")]
+    for key in [k for k in memory if k not in per_rank]:  # max and mean over the workers
         drew |= _line(ax, steps, key, key.removeprefix("memory/"))
-    written.append(_finish(fig, ax, f"{name}: peak memory per worker", "GB", drew, out / "memory.png",
+    if len(per_rank) <= MAX_RANK_LINES:  # beyond that a legend of hundreds of ranks says nothing
+        for key in per_rank:
+            drew |= _line(ax, steps, key, key.removeprefix("memory/"), linewidth=0.8, alpha=0.7)
+    written.append(_finish(fig, ax, f"{name}: peak memory per rank", "GB", drew, out / "memory.png",
                            "no memory/* metrics recorded"))
     plt.close(fig)
     return written

@@ -142,7 +142,7 @@ class DPOTrainer:
             metrics[f"actor/{key}"] = out.pop(key)
         metrics.update({f"dpo/{k}": v for k, v in out.items()})
         # every worker process hosts an actor rank (the reference is colocated with it)
-        metrics.update(peak_memory_metrics(self.actor.peak_memory()))
+        metrics.update(peak_memory_metrics(self.actor.peak_memory(), self.actor.ranks))
         step_s = time.perf_counter() - t0
         lengths = batch["response_mask"].sum(-1)
         metrics.update({

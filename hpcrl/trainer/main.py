@@ -15,11 +15,14 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig
 
 from hpcrl.trainer.preemption import ignore_on_workers
+
+if TYPE_CHECKING:
+    from hpcrl.trainer.progress import PhaseProgress
 
 log = logging.getLogger("hpcrl.trainer")
 
@@ -225,14 +228,33 @@ def make_trainer(cfg: DictConfig) -> Any:
 
 
 def train(cfg: DictConfig) -> int:
-    """Build the groups, resume if there is something to resume, run the remaining steps."""
+    """Build the groups, resume if there is something to resume, run the remaining steps; long phases
+    get progress lines meanwhile (hpcrl.trainer.progress)."""
+    from hpcrl.trainer.progress import PhaseProgress, activate
+
+    progress = PhaseProgress(logging.getLogger("hpcrl.progress").info, float(cfg.logging.progress_after_s),
+                             float(cfg.logging.progress_every_s))
+    activate(progress)
+    progress.start()
+    try:
+        return _train(cfg, progress)
+    finally:
+        progress.stop()
+        activate(None)
+
+
+def _train(cfg: DictConfig, progress: PhaseProgress) -> int:
     from hpcrl.trainer.metrics import MetricsWriter, progress_line, remaining_s
     from hpcrl.trainer.preemption import StopWatch, requeue_self, under_slurm
+    from hpcrl.trainer.progress import phase_running
+    from hpcrl.trainer.wandb_sink import make_wandb_sink
+    from hpcrl.workers.memory import peak_memory
 
     run_dir = Path(cfg.trainer.run_dir)
     total = int(cfg.trainer.total_steps)
+    log_every = int(cfg.logging.log_every)
     watch = StopWatch()
-    metrics = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard)
+    metrics = MetricsWriter(run_dir, tensorboard=cfg.logging.tensorboard, wandb=make_wandb_sink(cfg))
     trainer = make_trainer(cfg)
     ckpt = Checkpointer(cfg, trainer, metrics)
     if ckpt.resume():
@@ -256,8 +278,13 @@ def train(cfg: DictConfig) -> int:
             break
         step = trainer.step + 1
         t = time.perf_counter()
+        first_here = not started
         started = started or t
+        progress.context = f"step {step}/{total}"
         m = trainer.train_step(step)
+        # the controller's own peak (the workers' are in m): rank 0 of the memory/rank<R>/* metrics
+        m.update({f"memory/rank0/{k}": v for k, v in peak_memory().items()})
+        progress.learn_step(m)
         trainer.step = step
         if not ckpt.finish_pending() and ckpt.stop_on_error:
             return save_failed()
@@ -266,7 +293,8 @@ def train(cfg: DictConfig) -> int:
         if validation:  # the step began with a validation (after step - 1 steps)
             metrics.write_validation(step - 1, validation)
         ends.append(time.perf_counter())
-        log.info(progress_line(step, total, m, remaining_s(started, ends, total - step)))
+        if first_here or step % log_every == 0 or step == total:
+            log.info(progress_line(step, total, m, remaining_s(started, ends, total - step)))
         if nonfinite_limit_reached(cfg, m):
             # no save: the weights are those of the last finite step, but the last checkpoint is
             # the last state known good, and a rerun resumes from it
@@ -282,7 +310,9 @@ def train(cfg: DictConfig) -> int:
         if stopped or (save_every and step % save_every == 0 and step < total):
             # the save before a stop is the run's state on disk: its failure ends the run whatever
             # on_save_error says (a requeue would resume from an older checkpoint and fail again)
-            if not ckpt.save(wait=bool(stopped)) and (ckpt.stop_on_error or stopped):
+            with phase_running("checkpoint_save"):
+                saved = ckpt.save(wait=bool(stopped))
+            if not saved and (ckpt.stop_on_error or stopped):
                 return save_failed()
         if stopped:
             break
@@ -296,9 +326,13 @@ def train(cfg: DictConfig) -> int:
         trainer.close()
         metrics.close()
         return 0
+    progress.context = f"after step {trainer.step}/{total}"
     if trainer.val_data is not None:
-        metrics.write_validation(trainer.step, trainer.final_validation())
-    if not ckpt.save(wait=True):  # the final state: nothing is left to go on with
+        with phase_running("validate"):
+            metrics.write_validation(trainer.step, trainer.final_validation())
+    with phase_running("checkpoint_save"):
+        saved = ckpt.save(wait=True)
+    if not saved:  # the final state: nothing is left to go on with
         return save_failed()
     trainer.close()
     metrics.close()
@@ -321,7 +355,9 @@ def main() -> int:
         cfg = load_config(sys.argv[1], sys.argv[2:])
         validate(cfg)
     except ConfigError as e:
-        print("invalid config:\n" + "\n".join(f"  - {p}" for p in e.problems), file=sys.stderr)
+        from hpcrl.controller.stderr_log import terminal
+
+        print("invalid config:\n" + "\n".join(f"  - {p}" for p in e.problems), file=terminal(err=True))
         raise SystemExit(2) from None
     run_dir = Path(cfg.trainer.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,6 @@ import json
 import logging
 import math
 import os
-import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -26,47 +25,81 @@ TIMING_PREFIXES = ("time/", "throughput/")
 
 
 class PhaseTimer:
-    """Wall time of each phase of a step (`time/<phase>` metrics)."""
+    """Wall time of each phase of a step (`time/<phase>` metrics). Each phase is also announced to
+    the active progress reporter (hpcrl.trainer.progress), which logs a line while a long one runs."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
 
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
+        from hpcrl.trainer.progress import phase_running
+
         t = time.perf_counter()
         try:
-            yield
+            with phase_running(phase):
+                yield
         finally:
             self.seconds[phase] += time.perf_counter() - t
 
 
-def peak_memory_metrics(per_rank: Sequence[dict[str, float]]) -> dict[str, float]:
+def peak_memory_metrics(per_rank: Sequence[dict[str, float]], ranks: Sequence[int] | None = None
+                        ) -> dict[str, float]:
     """memory/<key>_max and memory/<key>_mean over the worker processes, from each one's
-    `peak_memory()` (hpcrl.workers.memory)."""
+    `peak_memory()` (hpcrl.workers.memory); with `ranks` (their MPI ranks, in the same order) also
+    memory/rank<R>/<key> for each."""
     by_key: dict[str, list[float]] = defaultdict(list)
-    for d in per_rank:
+    out: dict[str, float] = {}
+    for i, d in enumerate(per_rank):
         for k, v in d.items():
             by_key[k].append(v)
-    out: dict[str, float] = {}
+            if ranks is not None:
+                out[f"memory/rank{ranks[i]}/{k}"] = v
     for key, values in by_key.items():
         out[f"memory/{key}_max"] = max(values)
         out[f"memory/{key}_mean"] = sum(values) / len(values)
     return out
 
 
+def distribution_metrics(prefix: str, values: Any, mask: Any = None) -> dict[str, float]:
+    """<prefix>/mean, /std, /min, /max of a tensor's entries (where `mask` is set, when given)."""
+    import torch
+
+    v = torch.as_tensor(values).float()
+    if mask is not None:
+        v = v[torch.as_tensor(mask).bool()]
+    if v.numel() == 0:
+        return {}
+    return {f"{prefix}/mean": float(v.mean()), f"{prefix}/std": float(v.std()) if v.numel() > 1 else 0.0,
+            f"{prefix}/min": float(v.min()), f"{prefix}/max": float(v.max())}
+
+
+def per_source_metrics(prefix: str, values: Any, sources: Sequence[str]) -> dict[str, float]:
+    """<prefix>/<data source>/mean and /std of per-sample values, one pair per data source."""
+    import torch
+
+    v = torch.as_tensor(values).float()
+    out: dict[str, float] = {}
+    for source in sorted(set(sources)):
+        mine = v[torch.tensor([s == source for s in sources])]
+        out[f"{prefix}/{source}/mean"] = float(mine.mean())
+        out[f"{prefix}/{source}/std"] = float(mine.std()) if mine.numel() > 1 else 0.0
+    return out
+
+
+def phase_throughput(seconds: dict[str, float], tokens: dict[str, float]) -> dict[str, float]:
+    """throughput/<phase>_tokens_per_s: the tokens each phase processed over its wall time (phases
+    that did not run this step, or ran no tokens, are left out)."""
+    return {f"throughput/{phase}_tokens_per_s": n / seconds[phase]
+            for phase, n in tokens.items() if n > 0 and seconds.get(phase, 0.0) > 0}
+
+
 def setup_logging(log_file: Path, level: str = "INFO") -> None:
-    """The controller's log: to stdout (the job's output) and appended to `log_file`."""
-    log_file.parent.mkdir(parents=True, exist_ok=True)
-    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S")
-    root = logging.getLogger()
-    root.setLevel(level)
-    for h in list(root.handlers):
-        root.removeHandler(h)
-    for h in (logging.StreamHandler(sys.stdout), logging.FileHandler(log_file, mode="a")):
-        h.setFormatter(fmt)
-        root.addHandler(h)
-    for noisy in ("vllm", "transformers", "urllib3", "filelock"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    """The controller's log: appended to `log_file`, and on the terminal what hpcrl.controller.console
+    lets through (hpcrl's lines and errors; everything with logging.verbose)."""
+    from hpcrl.controller.console import setup_controller_logging
+
+    setup_controller_logging(str(log_file), level)
 
 
 def _plain(v: Any) -> Any:
@@ -79,12 +112,14 @@ def _plain(v: Any) -> Any:
 
 class MetricsWriter:
     """Appends one line per step to `run_dir/metrics.jsonl` (flushed and fsynced: a preempted job
-    keeps every finished step) and mirrors scalars to TensorBoard when enabled."""
+    keeps every finished step) and mirrors scalars to TensorBoard when enabled, and to W&B when a
+    sink is given (hpcrl.trainer.wandb_sink)."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool = True):
+    def __init__(self, run_dir: Path, tensorboard: bool = True, wandb: Any = None):
         self.path = run_dir / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.tb = None
+        self.wandb = wandb
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -114,6 +149,8 @@ class MetricsWriter:
                 if isinstance(v, (int, float)) and k != "step":
                     self.tb.add_scalar(k, v, step)
             self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log_step(step, record)
 
     def write_validation(self, after_steps: int, val: dict[str, Any]) -> None:
         """validation.jsonl: one record per validation, keyed by the optimizer steps done before it
@@ -124,10 +161,15 @@ class MetricsWriter:
         if self.tb is not None:
             for k, v in val.items():
                 self.tb.add_scalar(k if k.startswith("val/") else f"val/{k}", float(v), after_steps)
+        if self.wandb is not None:
+            self.wandb.log_validation(after_steps, val)
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.close()
+            self.wandb = None
 
 
 def read_records(path: Path, key: str) -> list[dict[str, Any]]:
@@ -175,15 +217,20 @@ def duration(seconds: float) -> str:
 
 
 def progress_line(step: int, total: int, m: dict[str, Any], eta_s: float | None = None) -> str:
-    """One human line per step for the job output; eta_s: seconds to `total` (shown while steps remain)."""
+    """One human line per step for the job output; eta_s: seconds to `total` (shown while steps remain).
+    KL: to the reference (in the reward, or the KL loss) when there is one, else the update's own
+    old-to-new policy KL (ppo_kl)."""
     parts = [f"step {step}/{total}"]
+    kl_key = next((k for k in ("actor/kl", "actor/kl_loss") if k in m), None)
     for key, label, fmt in (("reward/mean", "reward", "{:.3f}"), ("reward/acc", "acc", "{:.3f}"),
                             ("response_length/mean", "len", "{:.1f}"), ("actor/pg_loss", "pg_loss", "{:+.4f}"),
-                            ("critic/vf_loss", "vf_loss", "{:.4f}"), ("actor/kl", "kl", "{:.4f}"),
+                            ("critic/vf_loss", "vf_loss", "{:.4f}"),
+                            (kl_key or "actor/ppo_kl", "kl" if kl_key else "ppo_kl", "{:+.4f}"),
+                            ("actor/entropy", "entropy", "{:.3f}"),
                             ("dpo/loss", "loss", "{:.4f}"), ("dpo/rewards/accuracies", "acc", "{:.3f}"),
                             ("dpo/rewards/margins", "margin", "{:+.3f}"),
                             ("time/step", "time", "{:.1f}s"), ("throughput/tokens_per_s", "tok/s", "{:.0f}")):
-        if key in m:
+        if isinstance(m.get(key), (int, float)):
             parts.append(f"{label} " + fmt.format(m[key]))
     if eta_s is not None and step < total:
         parts.append(f"ETA {duration(eta_s)}")

@@ -14,6 +14,10 @@ One step, as the controller sees it (every call below runs SPMD on the worker gr
 
 The estimators and losses are plain functions (hpcrl.algos); the algorithms differ only in
 `algorithm.adv_estimator`, `algorithm.policy_loss` and a few switches, so one loop serves them all.
+
+With rollout.multi_turn.enable, `generate` is the multi-turn loop of hpcrl.agents.rollout (tools
+called between the model's turns); it returns the same batch, whose response_mask leaves the tool
+tokens out, so nothing after generation knows that turns existed.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ import hashlib
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -37,8 +43,15 @@ from hpcrl.controller.batch import Batch
 from hpcrl.data import PromptDataset, PromptRow, ShuffledSampler, iterate_batches
 from hpcrl.engines.vllm.engine import SEED_SPACE, SamplingSettings
 from hpcrl.rewards import RewardInput, RewardScorer
-from hpcrl.trainer.metrics import PhaseTimer, peak_memory_metrics
-from hpcrl.workers.actor_rollout import ActorRolloutRole, generate, logprob_gap
+from hpcrl.trainer.metrics import (
+    PhaseTimer,
+    distribution_metrics,
+    peak_memory_metrics,
+    per_source_metrics,
+    phase_throughput,
+)
+from hpcrl.trainer.progress import advance
+from hpcrl.workers.actor_rollout import ActorRolloutRole, generate, generate_each, logprob_gap
 from hpcrl.workers.batching import arrange_minibatches
 from hpcrl.workers.megatron_roles import MegatronRole
 
@@ -57,6 +70,18 @@ def pad_concat(batches: Sequence[Batch]) -> Batch:
     return Batch.concat(padded)
 
 
+@dataclass
+class Sampled:
+    """A generated batch and what scoring it needs besides its tokens."""
+
+    batch: Batch
+    # per sample: the completion was cut by a token limit (None: it reached max_new_tokens without EOS)
+    truncated: list[bool] | None = None
+    # per sample: merged into the reward's extra_info (multi-turn: {"multi_turn": {...}})
+    reward_extra: list[dict[str, Any]] | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
 class PPOTrainer:
     """Builds the worker groups of a config and runs its training steps."""
 
@@ -68,10 +93,21 @@ class PPOTrainer:
         self.algo = cfg.algorithm
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
         d = cfg.data
+        self.agent = None  # the multi-turn loop (hpcrl.agents.rollout), with rollout.multi_turn.enable
+        prompt_kwargs: dict[str, Any] = {}
+        mt = cfg.rollout.multi_turn
+        if mt.enable:
+            from hpcrl.agents.rollout import MultiTurnRollout, system_prompt_with_tools
+
+            self.agent = MultiTurnRollout.from_config(self.plain["rollout"]["multi_turn"], self.tokenizer)
+            schemas = self.agent.tools.schemas()
+            prompt_kwargs = {"tools": schemas if mt.tools_in_prompt else None,
+                             "system_prompt": system_prompt_with_tools(mt.system_prompt, schemas)}
         self.train_data = PromptDataset(list(d.train_files), self.tokenizer, d.prompt_key, d.max_prompt_length,
-                                        d.max_skipped_row_share)
+                                        d.max_skipped_row_share, **prompt_kwargs)
         self.val_data = (PromptDataset(list(d.val_files), self.tokenizer, d.prompt_key, d.max_prompt_length,
-                                       d.max_skipped_row_share) if d.val_files and cfg.trainer.val_every else None)
+                                       d.max_skipped_row_share, **prompt_kwargs)
+                         if d.val_files and cfg.trainer.val_every else None)
         self.sampler = ShuffledSampler(len(self.train_data), d.train_batch_size, d.seed, d.shuffle)
         self.scorer = RewardScorer(cfg.reward.function, cfg.reward.timeout_s, cfg.reward.format_weight)
         self.kl_ctrl = make_kl_controller(self.plain["algorithm"]["kl_ctrl"])
@@ -137,16 +173,29 @@ class PPOTrainer:
         ids = [batch["input_ids"][i][mask[i]].tolist() for i in range(len(batch))]
         return ids, mask.sum(-1)
 
-    def score(self, batch: Batch, rows: Sequence[PromptRow], n: int, max_new_tokens: int
+    def sample(self, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> Sampled:
+        """Generate on the rollout engines: one turn (`generate`), or conversations with tools
+        (rollout.multi_turn) in the same wire format."""
+        if self.agent is None:
+            return Sampled(generate(self.actor, prompts, sampling))
+        out = self.agent.generate(partial(generate_each, self.actor), prompts, sampling)
+        return Sampled(out.batch, out.truncated, [{"multi_turn": x} for x in out.reward_extra(self.tokenizer)],
+                       out.metrics)
+
+    def score(self, sampled: Sampled, rows: Sequence[PromptRow], n: int, max_new_tokens: int
               ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Sample-level rewards [B] of a generated batch (row r answers prompt rows[r // n])."""
+        """Sample-level rewards [B] of a generated batch (row r answers prompt rows[r // n]). The
+        response is the model's own tokens (response_mask): in a multi-turn sample its turns, without
+        the tool answers between them (those are in extra_info["multi_turn"]["transcript"])."""
+        batch = sampled.batch
         ids, lengths = self._responses(batch)
         eos = self.tokenizer.eos_token_id
+        truncated = sampled.truncated or [len(t) >= max_new_tokens and (not t or t[-1] != eos) for t in ids]
+        extra = sampled.reward_extra or [{}] * len(ids)
         items = [RewardInput(data_source=rows[r // n].data_source,
                              response=self.tokenizer.decode(t, skip_special_tokens=True),
-                             ground_truth=rows[r // n].ground_truth, extra_info=rows[r // n].extra_info,
-                             prompt=rows[r // n].prompt_text,
-                             truncated=len(t) >= max_new_tokens and (not t or t[-1] != eos))
+                             ground_truth=rows[r // n].ground_truth, extra_info={**rows[r // n].extra_info, **extra[r]},
+                             prompt=rows[r // n].prompt_text, truncated=truncated[r])
                  for r, t in enumerate(ids)]
         result = self.scorer.score(items)
         scores = torch.tensor(result.scores, dtype=torch.float32)
@@ -164,9 +213,9 @@ class PPOTrainer:
                                                                                           dict[str, float]]:
         r = self.cfg.rollout
         sampling = SamplingSettings.from_rollout_config(self.plain["rollout"], seed=self._seed(step, round_))
-        batch = generate(self.actor, [row.prompt_ids for row in rows], sampling)
-        scores, metrics = self.score(batch, rows, r.n, r.max_new_tokens)
-        return batch, scores, metrics
+        sampled = self.sample([row.prompt_ids for row in rows], sampling)
+        scores, metrics = self.score(sampled, rows, r.n, r.max_new_tokens)
+        return sampled.batch, scores, {**metrics, **sampled.metrics}
 
     def rollout(self, step: int, timer: PhaseTimer) -> tuple[Batch, list[PromptRow], torch.Tensor, dict[str, float]]:
         """Sample the step's prompts, generate and score. With DAPO dynamic sampling, groups whose
@@ -224,7 +273,7 @@ class PPOTrainer:
         if algo.adv_estimator == "remax":
             with timer("generate"):
                 greedy = SamplingSettings.from_rollout_config(self.plain["rollout"], n=1, temperature=0.0)
-                gb = generate(self.actor, [row.prompt_ids for row in rows], greedy)
+                gb = self.sample([row.prompt_ids for row in rows], greedy)
                 base, _ = self.score(gb, rows, 1, cfg.rollout.max_new_tokens)
             baseline = base.repeat_interleave(cfg.rollout.n)
             metrics["reward/greedy_baseline_mean"] = float(base.mean())
@@ -290,13 +339,15 @@ class PPOTrainer:
         metrics.update({f"actor/{k}": v for k, v in out.items()})
 
         # every worker process hosts an actor rank (the other roles are colocated with it)
-        metrics.update(peak_memory_metrics(self.actor.peak_memory()))
+        metrics.update(peak_memory_metrics(self.actor.peak_memory(), self.actor.ranks))
         step_s = time.perf_counter() - t0
         resp_tokens = float(lengths.sum())
         all_tokens = float(batch["attention_mask"].sum())
         metrics.update({
             "reward/mean": float(scores.mean()), "reward/std": float(scores.std()) if samples > 1 else 0.0,
-            "advantages/mean": float(masked_mean(advantages, mask)),
+            **distribution_metrics("advantages", advantages, mask),
+            **per_source_metrics("reward_by_source", scores,  # row r answers prompt rows[r // n]
+                                 [row.data_source for row in rows for _ in range(cfg.rollout.n)]),
             "response_length/mean": float(lengths.float().mean()), "response_length/max": float(lengths.max()),
             "response_length/clip_ratio": float((lengths >= cfg.rollout.max_new_tokens).float().mean()),
             "prompt_length/mean": float((batch["attention_mask"].sum(-1) - lengths).float().mean()),
@@ -305,6 +356,10 @@ class PPOTrainer:
             "throughput/response_tokens_per_s": resp_tokens / step_s,
             "throughput/rollout_tokens_per_s": resp_tokens / max(timer.seconds["generate"], 1e-9),
             **{f"time/{k}": v for k, v in timer.seconds.items()},
+            # tokens each phase processed: generated ones, then every token once per forward and epoch
+            **phase_throughput(timer.seconds, {
+                "generate": resp_tokens, "old_logprob": all_tokens, "ref_logprob": all_tokens, "values": all_tokens,
+                "update_actor": all_tokens * a.ppo_epochs, "update_critic": all_tokens * cfg.critic.ppo_epochs}),
         })
         return metrics
 
@@ -319,8 +374,9 @@ class PPOTrainer:
         scores, accs, sources = [], [], []
         for idx in iterate_batches(range(min(limit, len(self.val_data))), cfg.data.val_batch_size):
             rows = [self.val_data[i] for i in idx]
-            batch = generate(self.actor, [row.prompt_ids for row in rows], greedy)
-            s, m = self.score(batch, rows, 1, cfg.rollout.max_new_tokens)
+            s, m = self.score(self.sample([row.prompt_ids for row in rows], greedy), rows, 1,
+                              cfg.rollout.max_new_tokens)
+            advance(len(rows), work=min(limit, len(self.val_data)), unit="prompts")  # progress lines
             scores.append(s)
             accs.append(m.get("reward/acc", float("nan")) * len(rows))
             sources += [row.data_source for row in rows]
@@ -339,4 +395,6 @@ class PPOTrainer:
 
     def close(self) -> None:
         self.scorer.close()
+        if self.agent is not None:
+            self.agent.close()
         self.actor.close_rollout()

@@ -33,8 +33,15 @@ from hpcrl.workers.megatron_roles import MegatronRole
 log = logging.getLogger(__name__)
 
 
+def tokens_after_prompt(rollout: dict[str, Any]) -> int:
+    """The most tokens a sample holds after its prompt: max_new_tokens, or with multi-turn rollout
+    the per-sample budget of model and tool tokens (rollout.multi_turn.max_total_tokens)."""
+    mt = rollout.get("multi_turn") or {}
+    return max(rollout["max_new_tokens"], mt["max_total_tokens"]) if mt.get("enable") else rollout["max_new_tokens"]
+
+
 def cpu_kv_cache_gib_needed(arch: Any, cfg: dict[str, Any], dtype_bytes: int) -> float:
-    """KV cache (GiB per worker) that holds, at full length (max_prompt_length + max_new_tokens,
+    """KV cache (GiB per worker) that holds, at full length (max_prompt_length + tokens_after_prompt,
     rounded up to whole KV blocks), every sample one rollout replica generates in a step,
     or one validation batch's share, with a quarter to spare; at least 1/16 GiB. Too small only
     costs time (vLLM queues the requests that do not fit), too big only memory."""
@@ -42,7 +49,7 @@ def cpu_kv_cache_gib_needed(arch: Any, cfg: dict[str, Any], dtype_bytes: int) ->
     replicas = max(cfg["trainer"]["nnodes"] * cfg["trainer"]["workers_per_node"] // r["tensor_parallel"], 1)
     seqs = max(-(-d["train_batch_size"] * r["n"] // replicas), -(-d["val_batch_size"] // replicas))
     block = CPU_BLOCK_SIZE
-    tokens = seqs * -(-(d["max_prompt_length"] + r["max_new_tokens"]) // block) * block
+    tokens = seqs * -(-(d["max_prompt_length"] + tokens_after_prompt(r)) // block) * block
     kv_heads = -(-arch.num_kv_heads // r["tensor_parallel"])
     per_token = arch.num_layers * 2 * kv_heads * arch.head_dim * dtype_bytes
     return max(1.25 * tokens * per_token / (1 << 30), 1 / 16)
@@ -61,7 +68,7 @@ class ActorRolloutRole(MegatronRole):
         engine_kwargs = dict(r.get("engine_kwargs") or {})
         # long enough for a prompt and its completion, and for teacher-forced checks of both
         engine_kwargs.setdefault("max_model_len", min(self.engine.arch.max_position_embeddings,
-                                                      cfg["data"]["max_prompt_length"] + r["max_new_tokens"]))
+                                                      cfg["data"]["max_prompt_length"] + tokens_after_prompt(r)))
         kv_gib = r["cpu_kv_cache_gib"]
         if kv_gib is None:
             kv_gib = cpu_kv_cache_gib_needed(self.engine.arch, cfg, self.engine.options.dtype.itemsize)
@@ -81,6 +88,15 @@ class ActorRolloutRole(MegatronRole):
                        first_index: int) -> list[list[Completion]] | None:
         """Completions for this rollout replica's prompts; only rollout TP rank 0 sends them back."""
         out = self.rollout.generate(prompts, sampling, first_index) if prompts else []
+        return out if self.rollout.tp_rank == 0 else None
+
+    @register(dispatch=Dispatch.PER_RANK, collect=Collect.ALL)
+    def generate_each_shard(self, requests: list[tuple[list[int], int | None, int]],
+                            sampling: SamplingSettings) -> list[Completion] | None:
+        """One completion per (token ids, seed, max new tokens) request of this rollout replica;
+        only rollout TP rank 0 sends them back."""
+        out = (self.rollout.generate_each([r[0] for r in requests], sampling, [r[1] for r in requests],
+                                          [r[2] for r in requests]) if requests else [])
         return out if self.rollout.tp_rank == 0 else None
 
     @register(dispatch=Dispatch.PER_RANK, collect=Collect.ALL)
@@ -171,6 +187,16 @@ def generate(group: Any, prompts: Sequence[Sequence[int]], sampling: SamplingSet
         lp[r, len(p):end] = torch.tensor(c.logprobs)
     return Batch({"input_ids": ids, "attention_mask": attn, "response_mask": resp, "rollout_logprob": lp,
                   "prompt_index": torch.tensor([i for i, _, _ in rows])})
+
+
+def generate_each(group: Any, requests: Sequence[Sequence[int]], sampling: SamplingSettings,
+                  seeds: Sequence[int | None], max_new_tokens: Sequence[int]) -> list[Completion]:
+    """One completion per request (token ids, its own seed and token limit) on the rollout engines of
+    an ActorRolloutRole group, in request order: the requests are cut over the rollout replicas as
+    `generate` cuts prompts (one batched vLLM call per replica). A turn of the multi-turn loop."""
+    items = [(list(map(int, r)), s, int(m)) for r, s, m in zip(requests, seeds, max_new_tokens, strict=True)]
+    shards, _, coords = _per_rank(group, items)
+    return _in_dp_order(group.generate_each_shard(shards, [sampling] * len(shards)), coords)
 
 
 def rollout_logprobs(group: Any, batch: Batch) -> torch.Tensor:

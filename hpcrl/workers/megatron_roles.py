@@ -157,8 +157,8 @@ class MegatronRole(Worker):
 
     # updates -----------------------------------------------------------------------------------
     def _minibatch_steps(self, batch: Batch, num_minibatches: int, epochs: int, fields: list[str],
-                         loss_fn: Any, need_entropy: bool = False, after_step: list[int] | None = None
-                         ) -> dict[str, float]:
+                         loss_fn: Any, need_entropy: bool = False, after_step: list[int] | None = None,
+                         entropy_grad: bool = True) -> dict[str, float]:
         """Optimizer steps over this rank's shard, arranged by `arrange_minibatches`. Metrics named
         FIRST_STEP_ONLY* come from the first step alone (after_step[0] counts the steps taken)."""
         seqs_all = sequences(batch)
@@ -170,7 +170,7 @@ class MegatronRole(Worker):
                 rows = idx.tolist()
                 history.append(self.engine.train_step(
                     [seqs_all[i] for i in rows], {k: [v[i] for i in rows] for k, v in label_fields.items()},
-                    loss_fn, need_entropy=need_entropy, temperature=self.temperature))
+                    loss_fn, need_entropy=need_entropy, temperature=self.temperature, entropy_grad=entropy_grad))
                 if after_step is not None:
                     after_step[0] += 1
         first = {k: history[0].pop(k) for k in list(history[0]) if k.startswith(FIRST_STEP_ONLY)}
@@ -221,12 +221,15 @@ class MegatronRole(Worker):
                 loss = loss + s["kl_loss_coef"] * (w * kl).sum()
                 metrics["kl_loss"] = (w * kl).sum()
             if ent is not None:
-                loss = loss - entropy_coeff * (w * ent).sum()
-                metrics["entropy"] = (w * ent).sum()
+                if entropy_coeff != 0.0:
+                    loss = loss - entropy_coeff * (w * ent).sum()
+                metrics["entropy"] = (w * ent.detach()).sum()
             return loss, metrics
 
+        # the entropy is computed also without its bonus, as a metric: one more pass over the logits
+        # of the response tokens (exp and two sums per vocabulary entry, TP-reduced), no graph
         return self._minibatch_steps(batch, num_minibatches, epochs, fields, loss_fn,
-                                     need_entropy=entropy_coeff != 0.0, after_step=steps_done)
+                                     need_entropy=True, after_step=steps_done, entropy_grad=entropy_coeff != 0.0)
 
     @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.RANK0)
     def update_critic(self, batch: Batch, num_minibatches: int = 1, epochs: int = 1) -> dict[str, float]:

@@ -79,7 +79,9 @@ def make_cfg(model: str, tp: int, pp: int, rollout_tp: int, lr: float) -> dict[s
         f"model.path={model}", f"actor.parallel.tensor_parallel={tp}", f"actor.parallel.pipeline_parallel={pp}",
         "actor.micro_batch_tokens=400", f"actor.optim.lr={lr}", "actor.optim.clip_grad=0.0",
         "actor.ppo_mini_batch_size=8", f"rollout.tensor_parallel={rollout_tp}", "rollout.weight_bucket_mb=4",
-        "rollout.max_new_tokens=24", "actor.offload=true"])
+        "rollout.max_new_tokens=24", "actor.offload=true",
+        # room for the multi-turn checks' conversations (prompt + 64 tokens), not only prompt + 24
+        "rollout.engine_kwargs.max_model_len=256"])
     return OmegaConf.to_container(cfg, resolve=True)
 
 
@@ -94,7 +96,10 @@ def prompt_ids(model: str, n: int) -> list[list[int]]:
 
 
 def masked_max(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
-    return float(((a.double() - b.double()).abs() * mask).max())
+    """Largest |a - b| where mask is set (a -inf outside it must not turn the product into NaN;
+    a non-finite value inside it still counts, as inf or NaN)."""
+    diff = (a.double() - b.double()).abs()
+    return float(torch.where(mask.bool(), diff, torch.zeros_like(diff)).max())
 
 
 def sync_scenario(model: str, tp: int, pp: int, rollout_tp: int, lr: float, n_seqs: int,
@@ -154,6 +159,126 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new: int) -> list[li
                               pad_token_id=hf.generation_config.pad_token_id)
             outs.append(gen[0, len(p):].tolist())
     return outs
+
+
+def multi_turn_checks(group: Any, tok: Any, prompts: list[list[int]]) -> dict[str, Any]:
+    """The multi-turn loop (hpcrl.agents.rollout) on these vLLM engines, with the toy marker format
+    and counting tool (hpcrl.agents.toy; the tiny model writes no Hermes calls): every row checked
+    position by position against what vLLM was asked and answered, turn by turn; the limits; the
+    rollout-vs-actor log-prob gap on the model's tokens; the actor's log-probs with the tool holes in
+    the response, with and without the shared-prompt packing; max_turns=1 against generate()."""
+    from dataclasses import replace
+    from functools import partial
+
+    from hpcrl.agents import ToolSet
+    from hpcrl.agents.rollout import MultiTurnRollout, turn_seed
+    from hpcrl.agents.toy import MarkerFormat, TextStatsTool
+    from hpcrl.engines.vllm import SamplingSettings
+    from hpcrl.workers.actor_rollout import generate, generate_each, logprob_gap
+
+    max_turns, budget, max_new, seed, n = 3, 64, 12, 21, 4
+    served: dict[tuple[int, int], dict[str, Any]] = {}  # (row, turn) -> request, limit, completion
+    stops: list[list[str]] = []
+    rows_of_seed = {turn_seed(seed, r, t): (r, t) for r in range(len(prompts) * n) for t in range(max_turns)}
+
+    def recording(requests: Any, sampling: Any, seeds: Any, limits: Any) -> Any:
+        outs = generate_each(group, requests, sampling, seeds, limits)
+        stops.append(list(sampling.stop))
+        for req, s, m, c in zip(requests, seeds, limits, outs, strict=True):
+            served[rows_of_seed[s]] = {"request": list(req), "limit": m, "completion": c}
+        return outs
+
+    def make_loop(turns: int) -> MultiTurnRollout:
+        tool = TextStatsTool(fail_every=3, hang_every=5, hang_s=0.5, timeout_s=0.2)
+        return MultiTurnRollout(tok, ToolSet([tool]), MarkerFormat("e"), max_turns=turns, max_total_tokens=budget)
+
+    sampling = SamplingSettings(n=n, temperature=1.0, max_new_tokens=max_new, seed=seed)
+    loop = make_loop(max_turns)
+    t = time.time()
+    out = loop.generate(recording, prompts, sampling)
+    seconds = time.time() - t
+    b = out.batch
+    bad_rows: list[Any] = []
+    tool_turns = tool_turns_ok = own_ends = 0
+    mismatches: list[dict[str, str]] = []
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    for row, conv in enumerate(out.conversations):
+        length = int(b["attention_mask"][row].sum())
+        ids = b["input_ids"][row, :length].tolist()
+        mask = b["response_mask"][row, :length].tolist()
+        lp = b["rollout_logprob"][row, :length].tolist()
+        want_mask = [0.0] * length
+        want_lp = [0.0] * length
+        p = prompts[row // n]
+        problems = [] if ids[:len(p)] == p else ["prompt"]
+        turns = sorted(tt for r, tt in served if r == row)
+        results = iter(conv.tool_results)
+        for k, tt in enumerate(turns):
+            s = served[(row, tt)]
+            req, c = s["request"], s["completion"]
+            a, z = len(req), len(req) + len(c.token_ids)
+            if ids[:a] != req:
+                problems.append(f"turn {tt}: vLLM was fed something else than the row")
+            if ids[a:z] != c.token_ids:
+                problems.append(f"turn {tt}: the row holds other tokens than vLLM returned")
+            if s["limit"] > min(max_new, budget - (a - len(p))):
+                problems.append(f"turn {tt}: limit {s['limit']}")
+            want_mask[a:z] = [1.0] * len(c.token_ids)
+            want_lp[a:z] = c.logprobs
+            if k + 1 < len(turns):  # between this turn's end and the next request: the tool turn
+                tool_turns += 1
+                text = tok.decode(ids[z:len(served[(row, turns[k + 1])]["request"])], skip_special_tokens=False)
+                answer = next(results).content
+                # the marker (a stop string) ended the turn, so the template's <|im_end|> is context;
+                # a turn the model ended itself with <|im_end|> (in whose text the toy format also finds
+                # its marker) gets only the rest of the template's turn end, "\n"
+                own_end = ids[z - 1] == im_end
+                own_ends += own_end
+                head = "\n" if own_end else "<|im_end|>\n"
+                want = f"{head}<|im_start|>tool\n{answer}<|im_end|>\n<|im_start|>assistant\n"
+                tool_turns_ok += text == want
+                if text != want and len(mismatches) < 3:
+                    mismatches.append({"got": text, "want": want})
+        if mask != want_mask:
+            problems.append("response_mask is not the model's tokens exactly")
+        if any(abs(x - y) > 0 for x, y in zip(lp, want_lp)):
+            problems.append("rollout_logprob is not vLLM's on the model's tokens and 0 elsewhere")
+        if length - len(p) > budget or len(turns) > max_turns or len(turns) != conv.turns:
+            problems.append(f"limits: {length - len(p)} tokens, {len(turns)} turns")
+        if problems:
+            bad_rows.append((row, problems))
+
+    actor = group.compute_logprob(b, response_only=True)
+    full = group.compute_logprob(b)  # every position, no prompt sharing (no positions field)
+    group.set_packing(True, 4, False)
+    unshared = group.compute_logprob(b, response_only=True)
+    group.set_packing(True, 4, True)
+    mask = b["response_mask"]
+    tool_mask = b["attention_mask"].float() - mask
+    for row in range(len(b)):
+        tool_mask[row, :len(prompts[row // n])] = 0
+
+    one = make_loop(1).generate(partial(generate_each, group), prompts, sampling)
+    single = generate(group, prompts, replace(sampling, stop=["e"]))
+    m = out.metrics
+    return {
+        "rows": len(b), "seconds": round(seconds, 2), "bad_rows": bad_rows, "turns_served": len(served),
+        "tool_turns": tool_turns, "tool_turns_ok": tool_turns_ok,
+        "tool_turns_after_own_turn_end": own_ends, "tool_turn_mismatches": mismatches, "stops": stops,
+        "ends": [c.end for c in out.conversations], "turns": [c.turns for c in out.conversations],
+        "used": [c.used for c in out.conversations], "metrics": m,
+        "errors_counted": sum(r.error for c in out.conversations for r in c.tool_results),
+        "timeouts_counted": sum(r.error_kind == "timeout" for c in out.conversations for r in c.tool_results),
+        "model_tokens": int(mask.sum()), "tool_tokens": int(tool_mask.sum()),
+        "gap": logprob_gap(b["rollout_logprob"], actor, mask, step=0),
+        "actor_lp_outside_mask": float((actor * (1 - mask)).abs().max()),
+        "response_only_vs_full": masked_max(actor, full, mask),
+        "shared_vs_unshared": masked_max(actor, unshared, mask),
+        "one_turn_equals_generate": torch.equal(one.batch["input_ids"], single["input_ids"])
+        and torch.equal(one.batch["response_mask"], single["response_mask"]),
+        "one_turn_logprob_diff": masked_max(one.batch["rollout_logprob"], single["rollout_logprob"],
+                                            single["response_mask"]),
+    }
 
 
 def die(out_path: str) -> None:
@@ -263,8 +388,13 @@ def main() -> None:
     comps = [tuple(dup["input_ids"][i, :int(dup["attention_mask"][i].sum())].tolist()) for i in range(len(dup))]
     res["streams"] = {"rows": len(comps), "distinct_of_first_prompt": len(set(comps[:4])),
                       "min_len": int(dup["response_mask"].sum(-1).min())}
-    group.close_rollout()
     timed("temperature and streams", t0)
+
+    # multi-turn rollout with a tool, on the same 4 replicas
+    t0 = time.time()
+    res["multi_turn"] = multi_turn_checks(group, tok, prompts[:6])
+    group.close_rollout()
+    timed("multi-turn", t0)
 
     # 2. tiny: Megatron TP=2 PP=2 -> rollout TP=2 (2 vLLM replicas of 2 ranks)
     t0 = time.time()

@@ -546,7 +546,8 @@ class MegatronEngine:
     # training ----------------------------------------------------------------------------------
     def train_step(self, seqs: list[torch.Tensor], token_fields: dict[str, list[torch.Tensor]],
                    loss_fn: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]],
-                   need_entropy: bool = False, temperature: float = 1.0) -> dict[str, float]:
+                   need_entropy: bool = False, temperature: float = 1.0, entropy_grad: bool = True
+                   ) -> dict[str, float]:
         """One optimizer step over this rank's part of a mini-batch.
 
         loss_fn(output, entropy, fields) gets per-token log-probs (actor; under softmax(logits /
@@ -565,7 +566,13 @@ class MegatronEngine:
                 entropy = None
             else:
                 out = self.token_logprobs(output, mb, temperature)
-                entropy = self._spread(self.token_entropy(output, temperature), mb) if need_entropy else None
+                entropy = None
+                if need_entropy:
+                    # a metric only (entropy_grad=False): no graph, so no [tokens, vocab] tensors kept
+                    # for a backward that never comes
+                    with torch.set_grad_enabled(entropy_grad):
+                        entropy = self._spread(self.token_entropy(output if entropy_grad else output.detach(),
+                                                                  temperature), mb)
             fields = {k: v.to(out.device) for k, v in mb.extra.items()}
             fields["label_mask"] = mb.label_mask.to(out.device)
             loss, metrics = loss_fn(out, entropy, fields)

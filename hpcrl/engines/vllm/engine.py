@@ -175,18 +175,48 @@ class RolloutEngine:
         for i, p in enumerate(prompts):
             for j in range(n):
                 requests.append({"prompt_token_ids": list(map(int, p))})
-                params.append(SamplingParams(
-                    n=1, temperature=sampling.temperature, top_p=sampling.top_p,
-                    top_k=sampling.top_k if sampling.top_k > 0 else 0, max_tokens=sampling.max_new_tokens,
-                    stop=list(sampling.stop) or None, logprobs=0,
-                    seed=None if sampling.seed is None else sample_seed(sampling.seed, first_index + i, j, n)))
-        outs = self.llm.generate(requests, params, use_tqdm=False)
-        result: list[list[Completion]] = [[] for _ in prompts]
-        for k, o in enumerate(outs):
+                params.append(self._params(sampling, sampling.max_new_tokens,
+                                           None if sampling.seed is None
+                                           else sample_seed(sampling.seed, first_index + i, j, n)))
+        completions = self._completions(self.llm.generate(requests, params, use_tqdm=False))
+        return [completions[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def generate_each(self, requests: Sequence[Sequence[int]], sampling: SamplingSettings,
+                      seeds: Sequence[int | None], max_new_tokens: Sequence[int]) -> list[Completion]:
+        """One completion per request (token ids), each with its own seed and token limit; the rest
+        of `sampling` (temperature, top-p/top-k, stop strings) is shared and `sampling.n` is ignored.
+        The multi-turn loop (hpcrl.agents.rollout) continues every conversation with this."""
+        from vllm import SamplingParams
+
+        ids = [list(map(int, r)) for r in requests]
+        if self.prefix_caching:
+            # requests that repeat one token sequence (a prompt's n first turns): each distinct one
+            # once first, for the prefix cache, as `generate` does for its n samples
+            distinct = list(dict.fromkeys(tuple(r) for r in ids if len(r) >= self.block_size))
+            if distinct and len(distinct) < sum(len(r) >= self.block_size for r in ids):
+                self.llm.generate([{"prompt_token_ids": list(r)} for r in distinct],
+                                  SamplingParams(n=1, temperature=0.0, max_tokens=1), use_tqdm=False)
+        params = [self._params(sampling, m, s) for s, m in zip(seeds, max_new_tokens, strict=True)]
+        outs = self.llm.generate([{"prompt_token_ids": r} for r in ids], params, use_tqdm=False)
+        return self._completions(outs)
+
+    @staticmethod
+    def _params(sampling: SamplingSettings, max_tokens: int, seed: int | None) -> Any:
+        from vllm import SamplingParams
+
+        return SamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p,
+                              top_k=sampling.top_k if sampling.top_k > 0 else 0, max_tokens=max_tokens,
+                              stop=list(sampling.stop) or None, logprobs=0, seed=seed)
+
+    @staticmethod
+    def _completions(outs: Sequence[Any]) -> list[Completion]:
+        """vLLM's outputs (one sample each) as Completions, in request order."""
+        result = []
+        for o in outs:
             (c,) = o.outputs
             ids = list(c.token_ids)
             lps = [float(d[t].logprob) for t, d in zip(ids, c.logprobs or [], strict=True)]
-            result[k // n].append(Completion(ids, lps, str(c.finish_reason)))
+            result.append(Completion(ids, lps, str(c.finish_reason)))
         return result
 
     def prompt_logprobs(self, seqs: Sequence[Sequence[int]]) -> list[torch.Tensor]:
