@@ -23,6 +23,8 @@ import string
 import sys
 from pathlib import Path
 
+from make_arith_data import write  # same folder: the atomic parquet / jsonl writer
+
 TEMPLATES = ["Reply with {n} symbols.", "Write a code of {n} characters.", "Give me {n} signs, nothing else.",
              "Make up a tag of length {n}.", "Type {n} marks for label {k}."]
 
@@ -48,17 +50,6 @@ def rows(split: str, count: int, seed: int, conversational: bool) -> list[dict]:
         else:
             out.append({"prompt": prompt, "chosen": chosen, "rejected": rejected})
     return out
-
-
-def write(path: Path, data: list[dict]) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    if path.suffix == ".jsonl":
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in data))
-    else:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-        pq.write_table(pa.Table.from_pylist(data), tmp)
-    tmp.replace(path)  # atomic: a reader never sees half a file
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -95,6 +95,17 @@ class RowScan:
         return (f"{len(self.problems)} of {self.total} rows unusable ({len(self.problems) / self.total:.1%}; "
                 f"data.max_skipped_row_share={max_skipped_share:g}): {self.first_problems()}")
 
+    def accept(self, max_skipped_share: float, name: str | Path) -> int:
+        """ValueError naming the file (`name`, as the config gave it) when it is refused; else log the
+        skipped rows (if any) and return how many there are."""
+        refusal = self.refusal(max_skipped_share)
+        if refusal:
+            raise ValueError(f"{name}: {refusal}")
+        if self.problems:
+            log.warning("data: %s: skipped %d of %d rows (data.max_skipped_row_share=%g): %s", name,
+                        len(self.problems), self.total, max_skipped_share, self.first_problems())
+        return len(self.problems)
+
 
 def scan_rows(path: str | Path, prompt_key: str = "prompt") -> RowScan:
     """Read a data file and check each row against the schema (no tokenizing)."""
@@ -178,13 +189,7 @@ class PromptDataset:
         self.num_skipped = 0
         for f in self.files:
             scan = scan_rows(f, prompt_key)
-            refusal = scan.refusal(max_skipped_row_share)
-            if refusal:
-                raise ValueError(f"{f}: {refusal}")
-            if scan.problems:
-                self.num_skipped += len(scan.problems)
-                log.warning("data: %s: skipped %d of %d rows (data.max_skipped_row_share=%g): %s", f,
-                            len(scan.problems), scan.total, max_skipped_row_share, scan.first_problems())
+            self.num_skipped += scan.accept(max_skipped_row_share, f)
             for _, msgs, source, truth, extra in scan.rows:
                 messages.append(msgs)
                 meta.append((source, truth, extra))

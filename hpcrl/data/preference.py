@@ -149,13 +149,7 @@ class PreferenceDataset:
             if missing:
                 raise ValueError(f"{f}: no row has {', '.join(map(repr, missing))} (data.prompt_key / chosen_key / "
                                  "rejected_key): DPO reads preference pairs {prompt, chosen, rejected}.")
-            refusal = scan.refusal(max_skipped_row_share)
-            if refusal:
-                raise ValueError(f"{f}: {refusal}")
-            if scan.problems:
-                self.num_skipped += len(scan.problems)
-                log.warning("data: %s: skipped %d of %d rows (data.max_skipped_row_share=%g): %s", f,
-                            len(scan.problems), scan.total, max_skipped_row_share, scan.first_problems())
+            self.num_skipped += scan.accept(max_skipped_row_share, f)
             for _, prompt, chosen, rejected in scan.rows:
                 prompts.append(prompt)
                 responses.append((chosen, rejected))
