@@ -17,6 +17,7 @@ from hpcrl.checkpoint.store import MANIFEST, STEP_RE, TMP_RE, CheckpointStore
 
 EXIT_CORRUPT = 1
 EXIT_MISSING = 2
+EXIT_USAGE = 2  # a request the checkpoint cannot serve (argparse also exits 2)
 
 
 def resolve(run_dir: str) -> tuple[CheckpointStore, Path | None]:
@@ -92,7 +93,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_export_hf(args: argparse.Namespace) -> int:
-    from hpcrl.checkpoint.export import export_hf
+    from hpcrl.checkpoint.export import export_hf, export_peft
 
     store, one = resolve(args.run_dir)
     path = _pick(store, one, args.step)
@@ -104,9 +105,12 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     if problems:
         print(f"{path.name} is unusable: " + "; ".join(problems), file=sys.stderr)
         return EXIT_CORRUPT
-    info = export_hf(path, args.out, role=args.role, model_path=args.model_path)
-    print(f"exported {args.role} of {path.name} (step_count {info['step_count']}, saved at TP={info['layout']['tp']} "
-          f"PP={info['layout']['pp']}) to {info['out']}: {info['tensors']} tensors in {info['files']} file(s), "
+    export = export_peft if args.lora else export_hf
+    info = export(path, args.out, role=args.role, model_path=args.model_path)
+    what = "LoRA adapters (PEFT folder)" if args.lora else "weights"
+    print(f"exported {args.role} {what} of {path.name} (step_count {info['step_count']}, saved at "
+          f"TP={info['layout']['tp']} PP={info['layout']['pp']}) to {info['out']}: {info['tensors']} tensors in "
+          f"{info['files']} file(s), "
           f"{_size(info['bytes'])}; config/tokenizer from {info['model_path']}")
     return 0
 
@@ -120,6 +124,9 @@ def _guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Name
         except (FileNotFoundError, FileExistsError) as e:
             print(f"hpcrl ckpt {args.ckpt_command}: {e}", file=sys.stderr)
             return EXIT_MISSING
+        except ValueError as e:  # e.g. --lora on a checkpoint without adapters
+            print(f"hpcrl ckpt {args.ckpt_command}: {e}", file=sys.stderr)
+            return EXIT_USAGE
 
     return run
 
@@ -146,6 +153,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--model-path", default=None,
                    help="HF folder for config/tokenizer files (default: model.path of the checkpoint's config)")
     a.add_argument("--verify", action="store_true", help="verify checksums before exporting (sizes always)")
+    a.add_argument("--lora", action="store_true",
+                   help="a LoRA run: write the adapters as a PEFT folder (default: merged into the base weights)")
     a.set_defaults(func=_guarded(cmd_export_hf))
 
 

@@ -284,6 +284,15 @@ def dpo_tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]
     return folder / "run", steps, data
 
 
+def test_dpo_with_lora_uses_the_frozen_base_as_reference(checks: dict) -> None:
+    lo = checks["lora"]
+    assert lo["ref_vs_hf"] < 1e-4  # adapters off = the base model's summed log-probs (HF)
+    # the adapters start at B = 0: the policy is the reference, every margin 0, the loss ln 2
+    assert lo["loss"][0] == pytest.approx(math.log(2), abs=1e-6)
+    assert lo["loss"][1] < lo["loss"][0] - 1e-3 and lo["accuracies"] > 0.5  # the step moved towards chosen
+    assert lo["base_after_vs_hf"] < 1e-4 and lo["adapted_moved"] > 1e-2  # the base stayed, the policy moved
+
+
 def test_preference_accuracy_on_held_out_pairs_rises(dpo_tiny: tuple[Path, list[dict], Path]) -> None:
     run_dir, _, _ = dpo_tiny
     val = {v["after_steps"]: v for v in read_jsonl(run_dir / "validation.jsonl")}

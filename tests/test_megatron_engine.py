@@ -100,6 +100,23 @@ def test_update_is_the_same_at_tp2_pp2_and_tp1_pp1(checks: dict) -> None:
     assert w["max_abs_diff"] < 1e-5
 
 
+def test_lora_matches_peft_and_trains_the_adapters_only(checks: dict) -> None:
+    """LoRA (actor.lora) at TP x PP 1x1 and the largest layout, started from adapters peft wrote."""
+    lo = checks["lora"]
+    assert lo["layouts"] == ["1x1", LAYOUTS[-1]]
+    assert lo["spread"] > 0.05  # the adapters change the log-probs: the comparison below can fail
+    for key in lo["layouts"]:
+        assert lo["adapted_vs_peft"][key] < 1e-4, (key, lo)  # merged-model forward = HF + peft
+        assert lo["base_vs_hf"][key] < 1e-4, (key, lo)  # adapters off = the base (the reference policy)
+        r = lo[key]
+        assert r["optimizer_steps"] == 2 and r["grad_norm"] > 0
+        assert r["base_unchanged"], key  # bit for bit: the frozen base took no update
+        assert r["adapters_changed"] > 1e-4, key  # every lora_B moved
+        assert r["adapter_tensors"] == 2 * 7 * 2  # A and B of 7 HF modules in each of 2 layers
+        assert r["moved"] > 1e-3 and r["exported_vs_actor"] < 1e-4, (key, r)  # the export loads in peft
+    assert lo["layouts_max_abs_diff"] < 1e-5  # the same update in both layouts
+
+
 def test_critic_value_head_learns_returns(checks: dict) -> None:
     c = checks["critic"]
     assert c["v0_max_abs"] == 0.0  # a fresh value head, not the LM head
@@ -144,7 +161,14 @@ def test_reward_model_scores_match_hf(checks: dict) -> None:
 # bf16) by ~6-7%: the bounds are 5% and 15%. Each defect the tests guard against is far outside:
 # log-probs at T=1 instead of 0.7 give gradient errors of 116-296% and update errors of 84-90%;
 # stale model gradients summed into the next mini-batch (bf16) give 57-138% and 19-54%.
-BF16_GRAD_REL, BF16_UPDATE_REL = 0.05, 0.15
+# The 5% holds for the first epoch's steps (both sides start from the same weights). The second
+# epoch starts from weights that already differ by the first epoch's bf16-rounded Adam steps (the
+# update bound above), and PPO's ratio clip turns a small weight difference into whole tokens in or
+# out of the loss: measured 1-2% on an earlier machine, 15-18% at 2x2 (seq-mean-token-mean) on an
+# AVX512/AMX Xeon, the same with hpcrl's code of two sessions ago. Later steps get 30%; the defects
+# above show from the first epoch on (T: from step 1, stale gradients: from step 2).
+BF16_GRAD_REL, BF16_UPDATE_REL, BF16_LATER_GRAD_REL = 0.05, 0.15, 0.30
+STEPS_PER_EPOCH = 2  # tests/programs/megatron_checks.py: REF_MINI mini-batches per epoch
 
 
 def test_reference_step_covers_every_case(checks: dict) -> None:
@@ -163,11 +187,13 @@ def test_reference_step_covers_every_case(checks: dict) -> None:
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_actor_step_matches_independent_reference(checks: dict, dtype: str) -> None:
-    grad_tol, update_tol = (0.01, 0.01) if dtype == "fp32" else (BF16_GRAD_REL, BF16_UPDATE_REL)
+    grad_tol, later_tol, update_tol = ((0.01, 0.01, 0.01) if dtype == "fp32"
+                                       else (BF16_GRAD_REL, BF16_LATER_GRAD_REL, BF16_UPDATE_REL))
     cases = {k: v for k, v in checks["reference_step"].items() if k.startswith(dtype)}
     assert cases
     for name, c in cases.items():
-        assert max(c["grad_rel"]) < grad_tol, (name, c["grad_rel"])
+        assert max(c["grad_rel"][:STEPS_PER_EPOCH]) < grad_tol, (name, c["grad_rel"])
+        assert max(c["grad_rel"]) < later_tol, (name, c["grad_rel"])
         assert c["update_rel"] < update_tol, (name, c["update_rel"])
 
 

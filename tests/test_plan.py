@@ -182,6 +182,31 @@ def test_gpu_terms_by_hand_70b_32_nodes() -> None:
     assert est.fits and est.peak.total <= 80 * GIB
 
 
+def test_lora_plans_adapter_optimizer_state_and_no_reference_copy() -> None:
+    """70B with LoRA rank 16 on every linear layer: the optimizer terms count the adapters of the
+    stage (by hand from the shard shapes), the base stays bf16 weights only, no reference copy."""
+    cfg = load_config(REPO / PPO_70B, ["actor.lora.rank=16"])
+    validate(cfg, check_paths=False)
+    est = estimate(cfg, RoleShapes(policy=read_model_shape(LLAMA3_70B)), gpu_mem_bytes=80 * GIB)
+    update = {p.name: p.terms for p in est.phases}["update actor"]
+    stage0, r, h, tp = 1_201_045_504, 16, 8192, 8
+    # per layer: qkv A [r, h] + B [(8192 + 2 x 1024) / TP, r]; fc1 A [r, h] + B [2 x 28672 / TP, r];
+    # proj A [r, 8192 / TP] + B [h, r]; fc2 A [r, 28672 / TP] + B [h, r]; 10 layers on stage 0 of 8
+    adapters = 10 * (r * h + (8192 + 2048) // tp * r + r * h + 2 * 28672 // tp * r
+                     + r * 8192 // tp + h * r + r * 28672 // tp + h * r)
+    assert update["actor weights (bf16)"] == 2 * (stage0 + adapters)
+    assert update["actor master weights (fp32)"] == 4 * adapters
+    assert update["actor Adam moments (2 x fp32)"] == 8 * adapters
+    assert update["actor gradients (fp32 main_grad)"] == 4 * adapters
+    assert not any(k.startswith("reference ") for k in update)
+    full = estimate(load_config(REPO / PPO_70B), RoleShapes(policy=read_model_shape(LLAMA3_70B)),
+                    gpu_mem_bytes=80 * GIB)
+    full_update = {p.name: p for p in full.phases}["update actor"].total
+    lora_update = {p.name: p for p in est.phases}["update actor"].total
+    # 16 of the actor's 18 bytes a parameter, and the reference's 2, less the adapters' 18 a parameter
+    assert full_update - lora_update == 18 * stage0 - 18 * adapters
+
+
 def _plan(*options: str, overrides: tuple[str, ...] = ()):
     """`hpcrl plan` of the 70B recipe with the Llama-3-70B shape (overrides follow the config)."""
     return run([HPCRL, "plan", PPO_70B, *overrides, "--skip-path-checks", "--model-config", str(LLAMA3_70B),

@@ -4,9 +4,12 @@
 #   tools/bench_controller.py  hpcrl runtime vs Ray actors (Ray in its own venv, .venv-ray)
 #   tools/bench_packing.py     packed vs padded Megatron updates
 #   tools/bench_learning.py    GRPO learning curves + tokens/s vs TRL's GRPOTrainer (TRL in .venv-trl)
+#   tools/bench_dpo.py         DPO tokens/s + held-out preference accuracy vs TRL's DPOTrainer (.venv-trl)
 # BENCH_LEARNING_ARGS: extra flags for bench_learning.py (e.g. "--steps 10 --val-samples 64");
 # BENCH_LEARNING=0 skips it (the long one: --steps 3 --val-samples 16 took 22 min on 2 busy cores;
 # the defaults, 5 steps and 32 prompts, need about twice that).
+# BENCH_DPO_ARGS: extra flags for bench_dpo.py (e.g. "--rounds 5 --steps 20"); BENCH_DPO=0 skips it
+# (the defaults, 3 rounds of 10 steps x 8 pairs a side, take a few minutes a round).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RAY_VENV=${RAY_VENV:-.venv-ray}
@@ -21,7 +24,7 @@ echo "[bench] === packed vs padded Megatron update"
 .venv/bin/python tools/bench_packing.py
 shopt -s nullglob
 for b in tools/bench_*.py; do
-  case $b in tools/bench_controller.py|tools/bench_packing.py|tools/bench_learning.py) continue ;; esac
+  case $b in tools/bench_controller.py|tools/bench_packing.py|tools/bench_learning.py|tools/bench_dpo.py) continue ;; esac
   echo "[bench] === $b"
   .venv/bin/python "$b"
 done
@@ -31,4 +34,11 @@ if [[ ${BENCH_LEARNING:-1} != 0 ]]; then
   bash tools/setup_trl_venv.sh   # TRL + CPU torch in their own venv (idempotent)
   # shellcheck disable=SC2086  # word splitting of the extra flags is intended
   .venv/bin/python tools/bench_learning.py --trl-python "$TRL_VENV/bin/python" ${BENCH_LEARNING_ARGS:-}
+fi
+if [[ ${BENCH_DPO:-1} != 0 ]]; then
+  echo "[bench] === DPO vs TRL"
+  export TRL_VENV=${TRL_VENV:-.venv-trl}
+  bash tools/setup_trl_venv.sh   # idempotent
+  # shellcheck disable=SC2086  # word splitting of the extra flags is intended
+  .venv/bin/python tools/bench_dpo.py --trl-python "$TRL_VENV/bin/python" ${BENCH_DPO_ARGS:-}
 fi

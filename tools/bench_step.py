@@ -1,12 +1,14 @@
 """Per-phase time and peak memory of the RL step, for one or more checkouts side by side (not CI).
 
-    .venv/bin/python tools/bench_step.py [--repo DIR ...] [--env "K=V ..." ...] [--steps 3] [--rounds 1]
-                                         [KEY=VALUE ...]
+    .venv/bin/python tools/bench_step.py [--repo DIR ...] [--env "K=V ..." ...] [--set "KEY=VALUE ..." ...]
+                                         [--steps 3] [--rounds 1] [KEY=VALUE ...]
 
 Runs `hpcrl run CONFIG trainer.total_steps=STEPS` (the demo config by default, validation before the
 first step) once per round on each side, alternating sides round by round. A side is a checkout
 (`--repo`), or this checkout with extra environment variables (`--env`, e.g. allocator settings).
-It prints for each: the median per-phase seconds of the steady steps (2..STEPS), the validation time,
+A side can also be this checkout with extra config overrides (`--set`, e.g. LoRA against full
+fine-tuning: `--set actor.lora.rank=16` beside the plain side). It prints for each: the median
+per-phase seconds of the steady steps (2..STEPS), the validation time,
 the largest resident set of any process of the run (the workers), the user and system CPU seconds
 and minor page faults of the whole run (all from wait4's rusage of the process tree), and the load
 average and host steal time around the run. Each checkout runs with its own code and config file but this
@@ -72,22 +74,26 @@ def main() -> None:
     p.add_argument("--repo", action="append", type=Path, help="checkout to measure (repeatable; default: this)")
     p.add_argument("--env", action="append", default=[], metavar="K=V ...",
                    help="a side: this checkout with these environment variables (repeatable)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE ...", dest="sets",
+                   help="a side: this checkout with these extra config overrides (repeatable)")
     p.add_argument("--config", default="configs/grpo_smollm2.yaml")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
-    sides = [(r.resolve(), {}) for r in (args.repo or [REPO])]
+    sides: list[tuple[Path, dict[str, str], list[str]]] = [(r.resolve(), {}, []) for r in (args.repo or [REPO])]
     for spec in args.env:
         try:
-            sides.append((REPO, dict(kv.split("=", 1) for kv in spec.split())))
+            sides.append((REPO, dict(kv.split("=", 1) for kv in spec.split()), []))
         except ValueError:
             p.error(f"--env {spec!r}: expected space-separated KEY=VALUE pairs")
-    labels = [str(repo) + "".join(f" {k}={v}" for k, v in env.items()) for repo, env in sides]
+    sides += [(REPO, {}, spec.split()) for spec in args.sets]
+    labels = [str(repo) + "".join(f" {k}={v}" for k, v in env.items()) + "".join(f" {o}" for o in sets)
+              for repo, env, sets in sides]
     results: list[list[dict]] = [[] for _ in sides]
     for k in range(args.rounds):
-        for i, (repo, env) in enumerate(sides):
-            r = run_once(repo, env, args.config, args.steps, args.overrides)
+        for i, (repo, env, sets) in enumerate(sides):
+            r = run_once(repo, env, args.config, args.steps, [*args.overrides, *sets])
             results[i].append(r)
             print(f"[bench_step] round {k + 1} {labels[i]}: step {r['step_s']:.1f} s, "
                   f"validation {r['validate_s']:.1f} s, max RSS {r['max_rss_gb']:.2f} GB, "

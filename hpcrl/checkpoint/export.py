@@ -1,5 +1,9 @@
 """Offline export of a checkpoint's role as a HuggingFace folder (no MPI, no process groups).
 
+A LoRA checkpoint holds the adapters alone: `export_hf` merges them into the base model's
+weights (model.path) tensor by tensor, and `lora=True` writes them as a PEFT adapter folder
+instead (hpcrl.engines.megatron.lora), which `PeftModel.from_pretrained` loads onto the base.
+
 The role's TP x PP shard files are joined unit by unit (embedding, each layer, final norm + head)
 into HF tensors (`SavedRole.unit_hf`), so memory holds one output file's worth of tensors plus one
 unit, whatever the model size. Config and tokenizer files come from the model folder the run was
@@ -16,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcrl.checkpoint.files import fsync_dir, fsync_file
-from hpcrl.checkpoint.megatron_state import PARAM, SavedRole
+from hpcrl.checkpoint.megatron_state import PARAM, SEP, SavedRole
 
 
 def source_model_path(ckpt: Path, saved: SavedRole, override: str | None = None) -> Path:
@@ -43,10 +47,94 @@ def source_model_path(ckpt: Path, saved: SavedRole, override: str | None = None)
                             "pass the model folder explicitly (--model-path)")
 
 
+def saved_adapters(saved: SavedRole) -> dict[str, Any]:
+    """PEFT-named full adapters of a LoRA checkpoint's role (its TP shards joined per stage)."""
+    from hpcrl.engines.megatron.lora import adapters_to_hf
+
+    out: dict[str, Any] = {}
+    for pp in range(saved.pp):
+        shards = [{n: saved.tensor(pp, tp, f"{PARAM}{SEP}{n}") for n in saved.meta(pp, tp)["params"]}
+                  for tp in range(saved.tp)]
+        out.update(adapters_to_hf(saved.arch, shards, pp, saved.pp))
+    return out
+
+
+def _lora_settings(meta: dict[str, Any]) -> Any:
+    from hpcrl.engines.megatron.lora import LoraSettings
+
+    return LoraSettings(rank=int(meta["rank"]), alpha=float(meta["alpha"]), dropout=float(meta["dropout"]),
+                        targets=tuple(meta["targets"]), seed=int(meta["seed"]))
+
+
+def _merged_units(saved: SavedRole, src: Path) -> Any:
+    """(name, tensor) of the base model's weights with a LoRA checkpoint's adapters merged into
+    the layers they adapt: W + (alpha / r) B A, computed in fp32, stored in W's dtype."""
+    from hpcrl.engines.megatron.convert import SafetensorsReader
+    from hpcrl.engines.megatron.lora import PEFT_PREFIX
+
+    settings = _lora_settings(saved.meta0["lora"])
+    adapters = saved_adapters(saved)
+    reader = SafetensorsReader(src)
+    for name in sorted(reader.keys()):
+        w = reader(name)
+        stem = name.removesuffix(".weight")
+        a = adapters.get(f"{PEFT_PREFIX}{stem}.lora_A.weight")
+        if a is not None:
+            b = adapters[f"{PEFT_PREFIX}{stem}.lora_B.weight"]
+            w = (w.float() + settings.scale * (b.float() @ a.float())).to(w.dtype)
+        yield name, w
+
+
+def _staging(out: Path) -> Path:
+    """A fresh folder beside `out` to write into (`out` must not exist or be empty)."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not an empty folder")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Make the written folder `out`, durably: it appears complete or not at all."""
+    fsync_dir(tmp)
+    if out.exists():
+        out.rmdir()
+    os.rename(tmp, out)
+    fsync_dir(out.parent)
+
+
+def export_peft(ckpt: str | Path, out_dir: str | Path, role: str = "actor", model_path: str | None = None
+                ) -> dict[str, Any]:
+    """Write the LoRA adapters of `role` as a PEFT folder (adapter_config.json names the base)."""
+    from hpcrl.engines.megatron.lora import write_peft_folder
+
+    ckpt, out = Path(ckpt), Path(out_dir)
+    saved = SavedRole(ckpt / role)
+    if not saved.meta0.get("lora"):
+        raise ValueError(f"{ckpt / role}: no LoRA adapters in this checkpoint (actor.lora.rank was 0); "
+                         "export the full weights without --lora")
+    src = source_model_path(ckpt, saved, model_path)
+    tmp = _staging(out)
+    try:
+        tensors = saved_adapters(saved)
+        write_peft_folder(tmp, tensors, _lora_settings(saved.meta0["lora"]), str(src.resolve()))
+        for f in tmp.iterdir():
+            fsync_file(f)
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"out": str(out), "files": 2, "tensors": len(tensors),
+            "bytes": sum(t.numel() * t.element_size() for t in tensors.values()), "model_path": str(src),
+            "step_count": saved.meta0["step_count"], "layout": saved.meta0["layout"]}
+
+
 def export_hf(ckpt: str | Path, out_dir: str | Path, role: str = "actor", model_path: str | None = None,
               max_shard_bytes: int = 2 << 30) -> dict[str, Any]:
     """Write `role` of the checkpoint folder `ckpt` as a HF folder `out_dir` (which must not exist
-    or be empty). The folder appears complete or not at all (written beside it, then renamed)."""
+    or be empty). The folder appears complete or not at all (written beside it, then renamed).
+    A LoRA checkpoint's adapters are merged into the base model's weights."""
     from safetensors.torch import save_file
 
     ckpt, out = Path(ckpt), Path(out_dir)
@@ -54,11 +142,15 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, role: str = "actor", model_
     if saved.value_head:
         raise ValueError(f"{role} has a value head instead of an LM head: export-hf writes LM roles (actor, reference)")
     src = source_model_path(ckpt, saved, model_path)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise FileExistsError(f"{out} exists and is not an empty folder")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    tmp = _staging(out)
+
+    def tensors() -> Any:
+        if saved.meta0.get("lora"):
+            yield from _merged_units(saved, src)
+            return
+        for pp in range(saved.pp):
+            for unit in saved.units(pp):
+                yield from saved.unit_hf(PARAM, pp, unit).items()
     parts: list[list[str]] = []
     bucket: dict[str, Any] = {}
     size = 0
@@ -74,15 +166,13 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, role: str = "actor", model_
         bucket, size = {}, 0
 
     try:
-        for pp in range(saved.pp):
-            for unit in saved.units(pp):
-                for name, t in saved.unit_hf(PARAM, pp, unit).items():
-                    bucket[name] = t.clone()  # split q/k/v may share storage; safetensors refuses that
-                    n = t.numel() * t.element_size()
-                    size += n
-                    total += n
-                if size >= max_shard_bytes:
-                    flush()
+        for name, t in tensors():
+            bucket[name] = t.clone()  # split q/k/v may share storage; safetensors refuses that
+            n = t.numel() * t.element_size()
+            size += n
+            total += n
+            if size >= max_shard_bytes:
+                flush()
         flush()
         weight_map = {}
         for i, names in enumerate(parts):
@@ -94,11 +184,7 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, role: str = "actor", model_
         for f in src.iterdir():
             if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
                 shutil.copy2(f, tmp / f.name)
-        fsync_dir(tmp)
-        if out.exists():
-            out.rmdir()
-        os.rename(tmp, out)
-        fsync_dir(out.parent)
+        _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

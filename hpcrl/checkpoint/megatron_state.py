@@ -87,7 +87,7 @@ def engine_state(engine: Any, role: str, model_path: str, copy: bool) -> ShardSt
             return t.to("cpu")
         return t.clone() if copy else t
 
-    named = list(engine.model.named_parameters())
+    named = engine.named_trainable()
     tensors = {f"{PARAM}{SEP}{n}": cpu(p) for n, p in named}
     if engine.master is not None:
         tensors.update({f"{MASTER}{SEP}{n}": cpu(m) for (n, _), m in zip(named, engine.master)})
@@ -145,8 +145,17 @@ def engine_state(engine: Any, role: str, model_path: str, copy: bool) -> ShardSt
         "master": engine.master is not None,
         "optimizer": optimizer,
         "optim_settings": asdict(engine.optim) if engine.optim is not None else None,
+        # LoRA: the tensors are the adapters alone; the frozen base is model_path's weights
+        "lora": _lora_meta(engine),
     }
     return ShardState(tensors, meta)
+
+
+def _lora_meta(engine: Any) -> dict[str, Any] | None:
+    lora = getattr(engine, "lora", None)
+    if lora is None:
+        return None
+    return {**asdict(lora.settings), "targets": list(lora.settings.targets)}
 
 
 def _tensor_bytes(tensors: Any) -> int:
@@ -162,7 +171,7 @@ def shard_nbytes(state: ShardState) -> int:
 def engine_nbytes(engine: Any) -> int:
     """~Bytes this rank's shard of `engine` will take (what engine_state + write_shard write), from
     the live tensors' sizes: nothing is copied, so it is cheap enough to ask before every save."""
-    named = list(engine.model.named_parameters())
+    named = engine.named_trainable()
     tensors = [p for _, p in named] + (list(engine.master) if engine.master is not None else [])
     if engine.optimizer is not None:
         tensors += [v for st in engine.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
@@ -418,7 +427,7 @@ def _same_layout(engine: Any, meta: dict[str, Any] | None, names: list[str]) -> 
 def converted_tensors(engine: Any, saved: SavedRole) -> dict[str, torch.Tensor]:
     """This rank's tensors (`kind::name`, as a shard file holds them) rebuilt from a save made in
     another layout, spec or dtype."""
-    names = [n for n, _ in engine.model.named_parameters()]
+    names = [n for n, _ in engine.named_trainable()]
     kinds = saved.kinds()
     cur_dtype = engine.options.dtype
     saved_dtype = getattr(torch, saved.meta0["dtype"])
@@ -456,7 +465,7 @@ def converted_tensors(engine: Any, saved: SavedRole) -> dict[str, torch.Tensor]:
 def apply_state(engine: Any, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
     """Put weights, masters, optimizer state and step_count into the engine (byte copies when the
     dtypes agree)."""
-    named = list(engine.model.named_parameters())
+    named = engine.named_trainable()
     with torch.no_grad():
         for n, p in named:
             p.copy_(tensors[f"{PARAM}{SEP}{n}"])
@@ -506,13 +515,22 @@ def load_engine(engine: Any, ckpt_dir: str | Path, role: str, rank: int, world_s
     if saved.meta0["arch"] != cur_arch:
         diff = {k: (saved.meta0["arch"].get(k), v) for k, v in cur_arch.items() if saved.meta0["arch"].get(k) != v}
         raise ValueError(f"{root / role}: saved from another model (saved vs current: {diff})")
-    names = [n for n, _ in engine.model.named_parameters()]
+    saved_lora, cur_lora = saved.meta0.get("lora"), _lora_meta(engine)
+    if saved_lora != cur_lora:
+        raise ValueError(f"{root / role}: saved with actor.lora {saved_lora or 'off'}, this run has "
+                         f"{cur_lora or 'off'}; resume with the LoRA settings it was saved with")
+    names = [n for n, _ in engine.named_trainable()]
     own = root / role / f"{shard_stem(engine.pp_rank, engine.tp_rank)}.json"
     own_meta = json.loads(own.read_text()) if own.is_file() else None
     exact = _same_layout(engine, own_meta, names)
     if exact:
         tensors = load_file(str(own.with_suffix(".safetensors")))
         apply_state(engine, tensors, own_meta)
+    elif cur_lora is not None:
+        lay = saved.meta0["layout"]
+        raise ValueError(f"{root / role}: LoRA adapters saved at TP={lay['tp']} PP={lay['pp']} load at that layout "
+                         f"only (this run: TP={engine.tp_size} PP={engine.pp_size}); export them with "
+                         "`hpcrl ckpt export-hf RUN --lora` and start a run from them (actor.lora.adapters)")
     else:
         apply_state(engine, converted_tensors(engine, saved), saved.meta0)
     rng_file = root / "rng" / f"rank{rank}.pt"

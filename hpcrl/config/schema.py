@@ -54,6 +54,24 @@ class OptimConfig:
 
 
 @dataclass
+class LoraConfig:
+    """Low-rank adapters on the actor's linear layers (hpcrl/engines/megatron/lora.py). The base
+    weights are frozen, the optimizer holds the adapters only, vLLM gets the merged weights, the
+    reference policy is the base model without adapters (no second copy), and checkpoints hold the
+    adapters plus the base model's path."""
+
+    rank: int = 0  # r of each adapter; 0: no LoRA (full fine-tuning)
+    alpha: float = 16.0  # the adapter's output is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapter's input, in training
+    # megatron layers (linear_qkv, linear_proj, linear_fc1, linear_fc2), HF names (q_proj, k_proj and
+    # v_proj together, o_proj, gate_proj and up_proj together, down_proj), or all-linear
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    # A PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) to start from; its q/k/v
+    # (and gate/up) adapters must share lora_A, as `hpcrl ckpt export-hf --lora` writes them.
+    adapters: str | None = None
+
+
+@dataclass
 class ActorConfig:
     """Policy trainer (Megatron-core) and its PPO-family update."""
 
@@ -96,6 +114,7 @@ class ActorConfig:
     kl_loss_type: str = "k3"  # the KL estimator of that term (Schulman's k1 | k2 | k3)
     # GPU only: move params/grads/optimizer state to host memory while vLLM generates.
     offload: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass

@@ -47,6 +47,9 @@ RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     "critic.parallel.tensor_parallel": (1, None, True),
     "critic.parallel.pipeline_parallel": (1, None, True),
     "rollout.tensor_parallel": (1, None, True),
+    "actor.lora.rank": (0, None, True),
+    "actor.lora.alpha": (0, None, False),
+    "actor.lora.dropout": (0, 1, True),
     "rollout.n": (1, None, True),
     # > 0: the trainer's log-probs are those of softmax(logits / T) (greedy is for validation only)
     "rollout.temperature": (0, None, False),
@@ -232,6 +235,19 @@ def _check_choices_and_ranges(cfg: DictConfig, problems: list[str]) -> None:
         problems.append(f"slurm.time={cfg.slurm.time!r}: not a Slurm time. Use MM, HH:MM:SS or D-HH:MM:SS.")
     if cfg.reward.function != "builtin" and not _ENTRY_POINT.match(cfg.reward.function):
         problems.append(f"reward.function={cfg.reward.function!r}: use 'builtin' or 'package.module:function'.")
+    lora = cfg.actor.lora
+    if lora.rank:
+        from hpcrl.engines.megatron.lora import resolve_targets
+
+        try:
+            resolve_targets(list(lora.target_modules))
+        except ValueError as e:
+            problems.append(f"{e}.")
+        if lora.dropout >= 1:
+            problems.append(f"actor.lora.dropout={lora.dropout}: must be < 1.")
+    elif lora.adapters:
+        problems.append(f"actor.lora.adapters={lora.adapters!r} without actor.lora.rank: set the adapters' rank "
+                        "(and alpha) to train with LoRA.")
     ck = cfg.checkpoint
     if ck.keep_every and ck.save_every and ck.keep_every % ck.save_every:
         problems.append(f"checkpoint.keep_every={ck.keep_every}: must be a multiple of "
@@ -443,6 +459,11 @@ def _check_paths(cfg: DictConfig, problems: list[str]) -> dict[str, Any] | None:
             hf = read_hf_config(str(mp))
         except (OSError, json.JSONDecodeError) as e:
             problems.append(f"model.path={cfg.model.path!r}: config.json unreadable: {e}.")
+    if cfg.actor.lora.rank and cfg.actor.lora.adapters:
+        a = Path(cfg.actor.lora.adapters)
+        if not (a / "adapter_config.json").is_file():
+            problems.append(f"actor.lora.adapters={cfg.actor.lora.adapters!r}: no adapter_config.json there; point "
+                            "it at a PEFT LoRA folder (`hpcrl ckpt export-hf RUN --lora` writes one).")
     for key in ("model.tokenizer_path", "critic.model_path", "reward.model_path"):
         value = _get(cfg, key)
         if value is not None and not Path(value).exists():

@@ -101,7 +101,7 @@ class _Bucket:
 
 def plan_buckets(engine: MegatronEngine, bucket_bytes: int) -> list[_Bucket]:
     """The same bucket list on every rank, from every stage's shard metadata (one small exchange)."""
-    mine = {k: (tuple(v.shape), v.dtype) for k, v in engine.megatron_shard().items()}
+    mine = engine.shard_layout()
     per_rank: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, (engine.pp_rank, engine.tp_rank, mine))
     meta: dict[int, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}
@@ -172,7 +172,8 @@ def stream_hf_weights(engine: MegatronEngine, bucket_bytes: int, stats: ReshardS
     busy = time.perf_counter()
     buckets = buckets if buckets is not None else plan_buckets(engine, bucket_bytes)
     groups = _receiver_groups(engine)
-    own = {k: v.detach() for k, v in engine.megatron_shard().items()}
+    # with LoRA a mapping that merges each adapted weight when read: a bucket's worth at a time
+    own = engine.megatron_shard()
     live = _Live()
     rank = dist.get_rank()
     stats.bucket_bytes = bucket_bytes
@@ -192,13 +193,14 @@ def stream_hf_weights(engine: MegatronEngine, bucket_bytes: int, stats: ReshardS
             group = groups[(tp, src_dp, b.stage)]
             if b.stage == engine.pp_rank and tp == engine.tp_rank:
                 # this rank holds the part (as the sender or as a replica of it): no copy needed
+                mine = {k: own[k].detach() for k in b.names}
                 if rank == src:
                     for _, idx in b.by_dtype():
-                        flat = torch.cat([own[b.names[i]].reshape(-1) for i in idx])
+                        flat = torch.cat([mine[b.names[i]].reshape(-1) for i in idx])
                         live.add(flat.numel() * flat.element_size())
                         dist.broadcast(flat, src=src, group=group)
                         stats.bytes_sent_as_root += flat.numel() * flat.element_size()
-                parts.append({k: own[k] for k in b.names})
+                parts.append(mine)
                 continue
             part: dict[str, torch.Tensor] = {}
             for dtype, idx in b.by_dtype():

@@ -265,28 +265,34 @@ class _Role:
     dtype_bytes: int
     trains: bool
     low_precision: bool  # bf16 weights: fp32 masters and fp32 main_grad buffers
+    # parameters the optimizer steps when not all of them (LoRA: the adapters, held besides `params`)
+    adapter_params: int | None = None
+
+    @property
+    def trained(self) -> int:
+        return self.params if self.adapter_params is None else self.adapter_params
 
     @property
     def weights(self) -> int:
-        return self.params * self.dtype_bytes
+        return (self.params + (self.adapter_params or 0)) * self.dtype_bytes
 
     @property
     def masters(self) -> int:
-        return self.params * 4 if self.trains and self.low_precision else 0
+        return self.trained * 4 if self.trains and self.low_precision else 0
 
     @property
     def kept_grads(self) -> int:
         """fp32 main_grad buffers: allocated once, zeroed, never freed (engine._add_fp32_grad_buffers)."""
-        return self.params * 4 if self.trains and self.low_precision else 0
+        return self.trained * 4 if self.trains and self.low_precision else 0
 
     @property
     def step_grads(self) -> int:
         """fp32 .grad of an fp32 model: built by the backward, dropped after each optimizer step."""
-        return self.params * 4 if self.trains and not self.low_precision else 0
+        return self.trained * 4 if self.trains and not self.low_precision else 0
 
     @property
     def adam(self) -> int:
-        return self.params * 8 if self.trains else 0
+        return self.trained * 8 if self.trains else 0
 
     @property
     def resident(self) -> int:
@@ -361,6 +367,18 @@ class _Run:
         return not self.gpu and self.cfg.model.local_attention == "dense"
 
 
+def lora_shard_params(shape: ModelShape, rank: int, targets: tuple[str, ...], tp: int, pp: int) -> int:
+    """LoRA adapter parameters on one GPU of a stage (hpcrl.engines.megatron.lora): per layer,
+    column-parallel layers hold the whole A [r, in] and 1/TP of B, row-parallel ones 1/TP of A and
+    the whole B [out, r]."""
+    h, ffn = shape.hidden_size, shape.intermediate_size
+    per_layer = {"linear_qkv": rank * h + (shape.q_dim + 2 * shape.kv_dim) // tp * rank,
+                 "linear_fc1": rank * h + 2 * ffn // tp * rank,
+                 "linear_proj": rank * (shape.q_dim // tp) + h * rank,
+                 "linear_fc2": rank * (ffn // tp) + h * rank}
+    return (shape.num_layers // pp) * sum(per_layer[t] for t in targets)
+
+
 def _stage_estimate(run: _Run, stage: int) -> tuple[list[Phase], int, list[str], dict[str, int]]:
     """(phases, micro-batches in flight, problems, pinned host bytes per node) of one pipeline stage."""
     cfg, shapes, policy = run.cfg, run.shapes, run.shapes.policy
@@ -372,13 +390,19 @@ def _stage_estimate(run: _Run, stage: int) -> tuple[list[Phase], int, list[str],
     runtime_label, runtime_bytes = run.runtime
     rollout_tp = rollout_layout(cfg).tp
 
-    actor = _Role("actor", megatron_shard_params(policy, tp, pp, stage), run.dtype_bytes, True, low)
+    lora = cfg.actor.lora
+    adapters = None
+    if lora.rank:  # LoRA: the optimizer holds the adapters only; the reference is the frozen base itself
+        from hpcrl.engines.megatron.lora import resolve_targets
+
+        adapters = lora_shard_params(policy, lora.rank, resolve_targets(list(lora.target_modules)), tp, pp)
+    actor = _Role("actor", megatron_shard_params(policy, tp, pp, stage), run.dtype_bytes, True, low, adapters)
     others: list[_Role] = []
     if "critic" in run.layouts:
         lay = run.layouts["critic"]
         others.append(_Role("critic", megatron_shard_params(critic_shape, lay.tp, lay.pp, stage, head="value"),
                             run.dtype_bytes, True, low))
-    if "reference" in run.layouts:
+    if "reference" in run.layouts and not lora.rank:
         lay = run.layouts["reference"]
         others.append(_Role("reference", megatron_shard_params(policy, lay.tp, lay.pp, stage), run.dtype_bytes,
                             False, low))

@@ -41,7 +41,7 @@ from hpcrl.controller import WorkerGroup
 from hpcrl.controller.batch import Batch
 from hpcrl.data import PreferenceDataset, PreferencePair, ShuffledSampler, iterate_batches
 from hpcrl.trainer.metrics import PhaseTimer, peak_memory_metrics
-from hpcrl.workers.megatron_roles import MegatronRole
+from hpcrl.workers.megatron_roles import FrozenBase, MegatronRole
 
 log = logging.getLogger("hpcrl.trainer")
 
@@ -105,8 +105,10 @@ class DPOTrainer:
         log.info("building the actor and reference groups (Megatron %s): DPO, beta %g, loss %s",
                  dict(cfg.actor.parallel), self.dpo.beta, self.dpo.loss_type)
         self.actor = WorkerGroup(MegatronRole, init_kwargs={"cfg": self.plain, "role": "actor"}, name="actor")
-        self.reference = WorkerGroup(MegatronRole, init_kwargs={"cfg": self.plain, "role": "reference"},
-                                     name="reference")
+        # with LoRA the reference is the actor's frozen base, adapters off (no second copy)
+        self.reference = (FrozenBase(self.actor) if cfg.actor.lora.rank else
+                          WorkerGroup(MegatronRole, init_kwargs={"cfg": self.plain, "role": "reference"},
+                                      name="reference"))
         self.actor.set_schedule_steps(int(cfg.trainer.total_steps))
         self.actor.seed_host_rngs(int(cfg.trainer.seed))  # a resume restores the saved streams over these
         self.dp_size = self.actor.layout.dp_size
@@ -114,7 +116,7 @@ class DPOTrainer:
         log.info("worker groups ready in %.1f s: actor, reference (actor rank 0: %s %s, %d torch thread(s))",
                  time.perf_counter() - t, where["device"], where["dtype"], where["torch_threads"])
 
-    def groups(self) -> list[WorkerGroup]:
+    def groups(self) -> list[WorkerGroup | FrozenBase]:
         return [self.actor, self.reference]
 
     def trained_groups(self) -> list[WorkerGroup]:

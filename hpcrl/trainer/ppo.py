@@ -53,7 +53,7 @@ from hpcrl.trainer.metrics import (
 from hpcrl.trainer.progress import advance
 from hpcrl.workers.actor_rollout import ActorRolloutRole, generate, generate_each, logprob_gap
 from hpcrl.workers.batching import arrange_minibatches
-from hpcrl.workers.megatron_roles import MegatronRole
+from hpcrl.workers.megatron_roles import FrozenBase, MegatronRole
 
 log = logging.getLogger("hpcrl.trainer")
 
@@ -117,8 +117,11 @@ class PPOTrainer:
         log.info("building the actor + rollout group (Megatron %s, vLLM rollout TP=%d)",
                  dict(cfg.actor.parallel), cfg.rollout.tensor_parallel)
         self.actor = WorkerGroup(ActorRolloutRole, init_kwargs={"cfg": self.plain}, name="actor")
-        self.reference = (WorkerGroup(MegatronRole, init_kwargs={"cfg": self.plain, "role": "reference"},
-                                      name="reference") if reference_enabled(cfg) else None)
+        self.reference: WorkerGroup | FrozenBase | None = None
+        if reference_enabled(cfg):  # with LoRA the reference is the actor's frozen base, adapters off
+            self.reference = (FrozenBase(self.actor) if cfg.actor.lora.rank else
+                              WorkerGroup(MegatronRole, init_kwargs={"cfg": self.plain, "role": "reference"},
+                                          name="reference"))
         self.critic = (WorkerGroup(MegatronRole, init_kwargs={"cfg": self.plain, "role": "critic"}, name="critic")
                        if critic_enabled(cfg) else None)
         self.reward_model = None
@@ -134,7 +137,7 @@ class PPOTrainer:
                  where["dtype"], where["torch_threads"], where["cpu_affinity"],
                  "on" if where["torch_compile"] else "off")
 
-    def groups(self) -> list[WorkerGroup]:
+    def groups(self) -> list[WorkerGroup | FrozenBase]:
         return [g for g in (self.actor, self.reference, self.critic, self.reward_model) if g is not None]
 
     def trained_groups(self) -> list[WorkerGroup]:

@@ -7,8 +7,10 @@ each shard comes back, concatenated in DP order (see hpcrl.controller.dispatch).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,7 @@ from hpcrl.config.validate import kl_loss_active
 from hpcrl.controller import Collect, Dispatch, Worker, register
 from hpcrl.controller.batch import Batch
 from hpcrl.engines.megatron.engine import EngineOptions, MegatronEngine, OptimSettings, init_model_parallel
+from hpcrl.engines.megatron.lora import LoraSettings, adapters_to_hf, resolve_targets
 from hpcrl.workers.batching import sequences, to_label_aligned, to_token_aligned
 from hpcrl.workers.memory import peak_memory
 
@@ -41,6 +44,15 @@ def _use_layout(tp: int, pp: int, seed: int) -> None:
         return
     init_model_parallel(tp, pp, seed=seed)
     _layout_in_use = (tp, pp)
+
+
+def lora_settings(cfg: dict[str, Any]) -> LoraSettings | None:
+    """The actor's LoRA settings from a resolved config (None: full fine-tuning)."""
+    lora = cfg["actor"].get("lora") or {}
+    if not lora.get("rank"):
+        return None
+    return LoraSettings(rank=int(lora["rank"]), alpha=float(lora["alpha"]), dropout=float(lora["dropout"]),
+                        targets=resolve_targets(list(lora["target_modules"])), seed=int(cfg["trainer"]["seed"]))
 
 
 def _gloo_threads() -> int:
@@ -74,6 +86,9 @@ class MegatronRole(Worker):
                                 micro_batch_tokens=src["micro_batch_tokens"], packing=src["packing"],
                                 micro_batch_size=src["micro_batch_size"],
                                 share_prompt=cfg["actor"]["share_prompt"])
+        if role == "actor":
+            options.lora = lora_settings(cfg)
+            options.lora_adapters = (cfg["actor"].get("lora") or {}).get("adapters") if options.lora else None
         optim = None
         if trains:
             o = section["optim"]
@@ -135,13 +150,26 @@ class MegatronRole(Worker):
             self.engine.options.share_prompt = share_prompt
 
     # forward -----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _adapters(self, on: bool) -> Iterator[None]:
+        """The model with its LoRA adapters (on), or its frozen base alone (the reference policy)."""
+        lora = self.engine.lora
+        if on or lora is None:
+            yield
+        else:
+            with lora.adapters_off():
+                yield
+
     @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP)
-    def compute_logprob(self, batch: Batch, response_only: bool = False) -> torch.Tensor | None:
+    def compute_logprob(self, batch: Batch, response_only: bool = False, adapters: bool = True
+                        ) -> torch.Tensor | None:
         """Token-aligned log-probs [B, S] of the batch's tokens under this model; response_only:
-        of the response tokens alone (0 elsewhere; the losses need no more)."""
+        of the response tokens alone (0 elsewhere; the losses need no more). adapters=False: under
+        the frozen base of a LoRA actor (its reference policy)."""
         seqs = sequences(batch)
         positions = ([m > 0 for m in to_label_aligned(batch, "response_mask", seqs)] if response_only else None)
-        lp = self.engine.compute_logprob(seqs, self.temperature, positions)
+        with self._adapters(adapters):
+            lp = self.engine.compute_logprob(seqs, self.temperature, positions)
         if lp is None or self.engine.tp_rank != 0:
             return None
         return to_token_aligned(lp, tuple(batch["input_ids"].shape))
@@ -257,12 +285,33 @@ class MegatronRole(Worker):
         return steps if e.dp_rank == 0 and e.tp_rank == 0 else None
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
-    def hf_weights(self) -> dict[str, torch.Tensor] | None:
+    def hf_weights(self, adapters: bool = True) -> dict[str, torch.Tensor] | None:
         """The current weights HF-named (a critic's head as value_head.*), from TP rank 0 of every
-        stage of DP replica 0 (the controller merges the stages' dicts), None elsewhere."""
+        stage of DP replica 0 (the controller merges the stages' dicts), None elsewhere. With LoRA:
+        merged with the adapters, or (adapters=False) the frozen base."""
         e = self.engine
-        stage = e.export_hf_stage(e.megatron_shard())
+        with self._adapters(adapters):
+            stage = e.export_hf_stage(e.megatron_shard())
         return stage if e.dp_rank == 0 and e.tp_rank == 0 else None
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
+    def lora_adapters(self) -> dict[str, torch.Tensor] | None:
+        """The LoRA adapters PEFT-named (hpcrl.engines.megatron.lora.adapters_to_hf), from TP rank 0 of
+        every stage of DP replica 0, None elsewhere (a TP collective). `write_peft_folder` writes them."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        e = self.engine
+        if e.lora is None:
+            raise ValueError("lora_adapters: this actor has no LoRA adapters (actor.lora.rank is 0)")
+        mine = {k: v.cpu() for k, v in e.adapter_shard().items()}
+        shards = [mine]
+        if e.tp_size > 1:
+            shards = [None] * e.tp_size
+            dist.all_gather_object(shards, mine, group=ps.get_tensor_model_parallel_group())
+        if e.dp_rank != 0 or e.tp_rank != 0:
+            return None
+        return adapters_to_hf(e.arch, shards, e.pp_rank, e.pp_size)
 
     # weights -----------------------------------------------------------------------------------
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.NONE)
@@ -364,13 +413,15 @@ class MegatronRole(Worker):
         np.random.seed(r)
 
     @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP)
-    def sequence_logprobs(self, batch: Batch) -> torch.Tensor | None:
-        """Sum of each row's response-token log-probs [B] (float64) under this model, T = 1."""
+    def sequence_logprobs(self, batch: Batch, adapters: bool = True) -> torch.Tensor | None:
+        """Sum of each row's response-token log-probs [B] (float64) under this model, T = 1;
+        adapters=False: under the frozen base of a LoRA actor."""
         if len(batch) == 0:  # a DP shard of a batch with fewer rows than DP ranks
             return torch.zeros(0, dtype=torch.float64) if self.engine.tp_rank == 0 else None
         seqs = sequences(batch)
         positions = [m > 0 for m in to_label_aligned(batch, "response_mask", seqs)]
-        lp = self.engine.compute_logprob(seqs, 1.0, positions)
+        with self._adapters(adapters):
+            lp = self.engine.compute_logprob(seqs, 1.0, positions)
         if lp is None or self.engine.tp_rank != 0:
             return None
         return torch.stack([v.double().sum() for v in lp])
@@ -485,3 +536,19 @@ def dpo_pair_rows(pair_index: torch.Tensor, chosen: torch.Tensor) -> tuple[torch
         chosen_rows.append(next(r for r in rows if flags[r]))
         rejected_rows.append(next(r for r in rows if not flags[r]))
     return torch.tensor(chosen_rows, dtype=torch.long), torch.tensor(rejected_rows, dtype=torch.long)
+
+
+class FrozenBase:
+    """The reference policy of a LoRA run: the actor group's own frozen base, its adapters switched
+    off for the call (no second model copy). Offers what the trainers ask of a reference group."""
+
+    name = "reference (the actor's base, adapters off)"
+
+    def __init__(self, actor: Any):
+        self.actor = actor
+
+    def compute_logprob(self, batch: Batch, response_only: bool = False) -> torch.Tensor:
+        return self.actor.compute_logprob(batch, response_only=response_only, adapters=False)
+
+    def sequence_logprobs(self, batch: Batch) -> torch.Tensor:
+        return self.actor.sequence_logprobs(batch, adapters=False)

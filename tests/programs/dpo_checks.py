@@ -152,6 +152,23 @@ def main() -> None:
         actor.close()
         res["timings"][name] = round(time.time() - t0, 1)
         print(f"[dpo_checks] {name}: {case} ({res['timings'][name]} s)", flush=True)
+    # LoRA (actor.lora) at TP=2: the reference is the actor's base with its adapters off
+    t0 = time.time()
+    actor = WorkerGroup(MegatronRole, init_kwargs={"cfg": make_cfg(2, 1, **{"lora.rank": 4, "lora.alpha": 8,
+                                                                            "optim.lr": 1e-2}), "role": "actor"},
+                        name="dpo-lora")
+    lora_batch = batch.select(range(len(batch)))
+    lora_batch["ref_logp"] = actor.sequence_logprobs(lora_batch, adapters=False)
+    first = actor.update_dpo(lora_batch, num_pairs=PAIRS, beta=BETA)
+    second = actor.update_dpo(lora_batch, num_pairs=PAIRS, beta=BETA)
+    hf_policy = refs[("sigmoid", 0.0)]["policy"]
+    res["lora"] = {"ref_vs_hf": float((lora_batch["ref_logp"] - hf_policy).abs().max()),
+                   "base_after_vs_hf": float((actor.sequence_logprobs(batch, adapters=False) - hf_policy).abs().max()),
+                   "adapted_moved": float((actor.sequence_logprobs(batch) - hf_policy).abs().max()),
+                   "loss": [first["loss"], second["loss"]], "accuracies": second["rewards/accuracies"]}
+    actor.close()
+    res["timings"]["lora"] = round(time.time() - t0, 1)
+    print(f"[dpo_checks] lora: {res['lora']} ({res['timings']['lora']} s)", flush=True)
     Path(out_path).write_text(json.dumps(res, indent=1))
 
 

@@ -80,7 +80,11 @@ def text_batch(model: str, n: int, samples: int = 1):
 def hf_logprobs(model: str, batch) -> torch.Tensor:
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    return logprobs_of(AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval(), batch)
+
+
+def logprobs_of(hf: Any, batch) -> torch.Tensor:
+    """Token-aligned log-probs [B, S] of a loaded HF (or PEFT) causal LM: entry t is log p(token t)."""
     out = torch.zeros(batch["input_ids"].shape)
     with torch.no_grad():
         for i in range(len(batch)):
@@ -89,6 +93,100 @@ def hf_logprobs(model: str, batch) -> torch.Tensor:
             lp = torch.log_softmax(hf(ids[None]).logits[0].float(), -1)
             out[i, 1:n] = lp[:-1].gather(-1, ids[1:, None])[:, 0]
     return out
+
+
+LORA_RANK, LORA_ALPHA = 4, 8.0
+HF_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_peft_adapters(out: Path) -> Any:
+    """A PEFT LoRA adapter folder for the tiny model made with peft itself: seeded random A and B
+    (B nonzero, so the adapters change the outputs), one A shared by q/k/v and by gate/up (megatron
+    fuses those layers). Returns the PEFT model (on the HF base) that scores it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+    pm = get_peft_model(base, LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
+                                         target_modules=HF_LORA_TARGETS))
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for layer in pm.base_model.model.model.layers:
+            for group in ([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj],
+                          [layer.self_attn.o_proj], [layer.mlp.gate_proj, layer.mlp.up_proj], [layer.mlp.down_proj]):
+                a = torch.randn(group[0].lora_A["default"].weight.shape, generator=g) * 0.1
+                for m in group:
+                    m.lora_A["default"].weight.copy_(a)
+                    m.lora_B["default"].weight.copy_(torch.randn(m.lora_B["default"].weight.shape, generator=g) * 0.1)
+    pm.save_pretrained(str(out))
+    return pm.eval()
+
+
+def peft_logprobs(adapter_dir: str, batch) -> torch.Tensor:
+    """Log-probs of the tiny HF model with a PEFT adapter folder loaded by peft."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+    return logprobs_of(PeftModel.from_pretrained(base, adapter_dir).eval(), batch)
+
+
+def lora_checks(layouts: list[tuple[int, int]], res: dict[str, Any], tmp: Path, timed: Any) -> None:
+    """LoRA at TP x PP 1x1 and the largest layout: the actor started from a PEFT folder gives peft's
+    log-probs (adapters on) and HF's (adapters off, the reference); an update changes the adapters
+    only, the same way in both layouts; the adapters it exports load in peft with the same log-probs."""
+    from hpcrl.controller import WorkerGroup
+    from hpcrl.engines.megatron.lora import LoraSettings, write_peft_folder
+    from hpcrl.workers.batching import arrange_minibatches
+    from hpcrl.workers.megatron_roles import MegatronRole
+
+    batch = text_batch(TINY, 4, samples=2)
+    mask = batch["attention_mask"].clone()
+    mask[:, 0] = 0
+    base_ref = hf_logprobs(TINY, batch)
+    peft_in = tmp / "peft-in"
+    lora_ref = logprobs_of(make_peft_adapters(peft_in), batch)
+    ub = text_batch(TINY, 16)
+    g = torch.Generator().manual_seed(0)
+    ub["old_logprob"] = hf_logprobs(TINY, ub) - 0.05 * torch.rand(ub["input_ids"].shape, generator=g)
+    ub["advantages"] = torch.randn(ub["input_ids"].shape, generator=g)
+    w0 = load_safetensors_dir(TINY)
+    res["lora"] = {"layouts": [], "adapted_vs_peft": {}, "base_vs_hf": {}, "spread": float(
+        ((lora_ref - base_ref).abs() * mask).max())}
+    updated: dict[str, dict[str, torch.Tensor]] = {}
+    for tp, pp in [(1, 1), layouts[-1]]:
+        t0 = time.time()
+        key = f"{tp}x{pp}"
+        cfg = make_cfg(TINY, tp, pp, ppo_mini_batch_size=8, **{"lora.rank": LORA_RANK, "lora.alpha": LORA_ALPHA,
+                                                               "lora.adapters": str(peft_in), "optim.lr": 1e-3})
+        actor = WorkerGroup(MegatronRole, init_kwargs={"cfg": cfg, "role": "actor"}, name=f"lora-{key}")
+        lp = actor.compute_logprob(batch)
+        lp_base = actor.compute_logprob(batch, adapters=False)
+        res["lora"]["layouts"].append(key)
+        res["lora"]["adapted_vs_peft"][key] = float(((lp - lora_ref).abs() * mask).max())
+        res["lora"]["base_vs_hf"][key] = float(((lp_base - base_ref).abs() * mask).max())
+        adapters0 = merged(actor.lora_adapters())
+        metrics = actor.update_actor(arrange_minibatches(copy.copy(ub), 2, actor.layout.dp_size, "token-mean"),
+                                     num_minibatches=2)
+        base_after = merged(actor.hf_weights(adapters=False))
+        adapters1 = merged(actor.lora_adapters())
+        updated[key] = adapters1
+        # the exported adapters in peft: the same log-probs as the actor after its update
+        out = tmp / f"peft-out-{key}"
+        write_peft_folder(out, adapters1, LoraSettings(LORA_RANK, LORA_ALPHA), TINY)
+        lp_after = actor.compute_logprob(batch)
+        res["lora"][key] = {
+            "optimizer_steps": metrics["optimizer_steps"], "grad_norm": metrics["grad_norm"],
+            "base_unchanged": sorted(base_after) == sorted(w0) and all(torch.equal(base_after[k], w0[k]) for k in w0),
+            "adapters_changed": min(float((adapters1[k] - adapters0[k]).abs().max()) for k in adapters0
+                                    if ".lora_B." in k),
+            "adapter_tensors": len(adapters1),
+            "exported_vs_actor": float(((peft_logprobs(str(out), batch) - lp_after).abs() * mask).max()),
+            "moved": float(((lp_after - lp).abs() * mask).max())}
+        actor.close()
+        timed(f"lora tiny {key}", t0)
+    a, b = (updated[k] for k in res["lora"]["layouts"])
+    res["lora"]["layouts_max_abs_diff"] = max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
 def make_tiny_reward_model(out: Path) -> str:
@@ -490,6 +588,9 @@ def main() -> None:
                                          "bit_exact": all(torch.equal(a[k], b[k]) for k in a if k in b)}
         actor.close()
         timed(f"logprob smollm2 {tp}x{pp}", t0)
+
+    # 6. LoRA adapters (hpcrl.engines.megatron.lora) against peft
+    lora_checks(layouts, res, tmp, timed)
 
     res["timings"]["total"] = round(time.time() - t_all, 1)
     Path(out_path).write_text(json.dumps(res, indent=1))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +19,14 @@ import torch
 from hpcrl.engines.megatron.attention import segments_of
 from hpcrl.engines.megatron.convert import SafetensorsReader, hf_to_megatron, megatron_to_hf
 from hpcrl.engines.megatron.cpu_compat import apply_cpu_compat
+from hpcrl.engines.megatron.lora import (
+    LoraSettings,
+    LoraState,
+    MergedShard,
+    adapters_from_hf,
+    apply_lora,
+    read_peft_folder,
+)
 from hpcrl.engines.megatron.model import ModelArch, build_gpt_model, read_arch
 from hpcrl.engines.megatron.packing import (
     PackedMicroBatch,
@@ -127,6 +135,11 @@ class EngineOptions:
     # samples of one prompt) are packed with that prefix once (hpcrl.engines.megatron.packing).
     # Local spec only: Transformer Engine's packed attention has no prefix-sharing mask.
     share_prompt: bool = True
+    # LoRA adapters on the linear layers (hpcrl.engines.megatron.lora); the base weights are frozen.
+    # Local spec only: Transformer Engine fuses the pre-norm into linear_qkv/linear_fc1, which hides
+    # the normalised input an adapter reads.
+    lora: LoraSettings | None = None
+    lora_adapters: str | None = None  # a PEFT LoRA folder to start the adapters from
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -182,12 +195,21 @@ class MegatronEngine:
         self.pp_size = ps.get_pipeline_model_parallel_world_size()
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
-        self.model = build_gpt_model(self.arch, self.options.dtype, self.options.use_te, self.options.attention)
+        use_te = False if self.options.lora is not None else self.options.use_te
+        self.model = build_gpt_model(self.arch, self.options.dtype, use_te, self.options.attention)
         self.spec = self.model.hpcrl_spec
         if value_head and self.model.post_process:
             self.model.output_layer = ValueHead(self.arch.hidden_size, self.options.dtype).to(
                 next(self.model.parameters()).device)
         self.load_hf(model_path)
+        self.lora: LoraState | None = None
+        if self.options.lora is not None:
+            self.lora = apply_lora(self.model, self.options.lora, self.arch, self.pp_rank, self.pp_size,
+                                   self.tp_rank, self.tp_size)
+            if self.options.lora_adapters:
+                self.load_adapters_peft(self.options.lora_adapters)
+        # what the optimizer steps and checkpoints hold: every parameter, or the adapters alone
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         # positions [B, T] (label-aligned) whose logits the running micro-batch needs, or None for all
         self._positions: torch.Tensor | None = None
         self._select_output_positions()
@@ -205,7 +227,7 @@ class MegatronEngine:
         # (`record_grads = []`): the reference-step tests compare them with an independent PPO step.
         self.record_grads: list[dict[str, torch.Tensor]] | None = None
         if optim is not None:
-            params = list(self.model.parameters())
+            params = list(self.trainable)
             if self.options.dtype != torch.float32:
                 self.master = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
                 self._add_fp32_grad_buffers(params)
@@ -235,7 +257,7 @@ class MegatronEngine:
     def _zero_grads(self) -> None:
         """Clear the model's gradients (not only the optimizer's parameters: with masters those
         are the fp32 copies, and a stale model gradient would be added into the next step)."""
-        for p in self.model.parameters():
+        for p in self.trainable:
             p.grad = None
             if self.master is not None:
                 p.main_grad.zero_()
@@ -323,8 +345,43 @@ class MegatronEngine:
                     raise RuntimeError(f"{k}: checkpoint shape {tuple(v.shape)} != model {tuple(own[k].shape)}")
                 own[k].copy_(v)
 
-    def megatron_shard(self) -> dict[str, torch.Tensor]:
+    def megatron_shard(self) -> Mapping[str, torch.Tensor]:
+        """This rank's weights, megatron-named. With LoRA: the base names, adapted layers merged
+        (W + scale B A, computed on access: see hpcrl.engines.megatron.lora.MergedShard)."""
+        if self.lora is not None:
+            return MergedShard(self.model, self.lora)
         return {k: v for k, v in self.model.state_dict().items() if not k.endswith("_extra_state")}
+
+    def shard_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """(shape, dtype) of each `megatron_shard` tensor, without reading (or merging) any."""
+        return {k: (tuple(v.shape), v.dtype) for k, v in self.model.state_dict(keep_vars=True).items()
+                if not k.endswith("_extra_state") and ".lora_" not in k}
+
+    def named_trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """(name, parameter) of what the optimizer steps, in its order: what a checkpoint holds."""
+        return [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+
+    def adapter_shard(self) -> dict[str, torch.Tensor]:
+        """This rank's LoRA tensors (megatron names `...<layer>.lora_A|B`)."""
+        assert self.lora is not None, "engine built without LoRA"
+        return {k: v.detach() for k, v in self.lora.adapter_params().items()}
+
+    def load_adapters_peft(self, path: str) -> None:
+        """Set the adapters from a PEFT LoRA folder (its rank must be actor.lora.rank)."""
+        assert self.lora is not None, "engine built without LoRA"
+        cfg, get = read_peft_folder(path)
+        s = self.lora.settings
+        if int(cfg.get("r", -1)) != s.rank or float(cfg.get("lora_alpha", -1)) != float(s.alpha):
+            raise ValueError(f"{path}: adapter rank {cfg.get('r')} / alpha {cfg.get('lora_alpha')}, but "
+                             f"actor.lora has rank {s.rank} / alpha {s.alpha}")
+        shard = adapters_from_hf(self.arch, get, s.targets, self.tp_rank, self.tp_size, self.pp_rank, self.pp_size)
+        own = self.lora.adapter_params()
+        with torch.no_grad():
+            for k, v in shard.items():
+                if own[k].shape != v.shape:
+                    raise ValueError(f"{path}: {k} has shape {tuple(v.shape)}, the model's adapter "
+                                     f"{tuple(own[k].shape)}")
+                own[k].copy_(v)
 
     def export_hf_stage(self, tensors: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor] | None:
         """Gather the TP shards of this pipeline stage; TP rank 0 gets the stage's HF tensors.
@@ -558,6 +615,8 @@ class MegatronEngine:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         self._zero_grads()
+        if self.lora is not None:
+            self.lora.begin_step()
         mbs = self._micro_batches(seqs, token_fields)
 
         def micro_loss(output: torch.Tensor, mb: PackedMicroBatch):
@@ -587,7 +646,7 @@ class MegatronEngine:
         self._finish_grads()
         if self.record_grads is not None:
             self.record_grads.append({n: self._grad(p).detach().float().clone()
-                                      for n, p in self.model.named_parameters()})
+                                      for n, p in self.named_trainable()})
         grad_norm = self._clip_grads(self.optim.clip_grad)
         # A NaN/Inf loss or gradient would write NaN weights and Adam moments: skip the step. The
         # norm is global (DP-reduced gradients, summed over TP and PP), so all ranks skip alike.
@@ -597,12 +656,12 @@ class MegatronEngine:
             for group in self.optimizer.param_groups:
                 group["lr"] = self.optim.lr * lr_factor(self.step_count, self.optim)
             if self.master is not None:
-                for p, m in zip(self.model.parameters(), self.master):
+                for p, m in zip(self.trainable, self.master, strict=True):
                     m.grad = p.main_grad  # fp32 already: the masters step with it, no copy
             self.optimizer.step()
             if self.master is not None:
                 with torch.no_grad():
-                    for p, m in zip(self.model.parameters(), self.master):
+                    for p, m in zip(self.trainable, self.master, strict=True):
                         p.copy_(m)
             self.step_count += 1
         else:
@@ -645,7 +704,7 @@ class MegatronEngine:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = self.trainable
         for p in params:
             if self._grad(p) is None:
                 p.grad = torch.zeros_like(p)
@@ -658,7 +717,8 @@ class MegatronEngine:
                 work.wait()
         if self.arch.tie_word_embeddings and self.pp_size > 1 and ps.is_rank_in_embedding_group():
             w = self.model.shared_embedding_or_output_weight()
-            dist.all_reduce(self._grad(w), group=ps.get_embedding_group())
+            if w.requires_grad:  # frozen under LoRA
+                dist.all_reduce(self._grad(w), group=ps.get_embedding_group())
 
     def _clip_grads(self, max_norm: float) -> float:
         """Global L2 norm over the model's true parameters: TP shards summed over TP, replicated
@@ -670,7 +730,7 @@ class MegatronEngine:
         replicated = torch.zeros(1, dtype=torch.float64)
         tied_copy = (self.model.output_layer.weight if self.arch.tie_word_embeddings and self.pp_size > 1
                      and not self.model.pre_process and self.model.post_process else None)
-        for p in self.model.parameters():
+        for p in self.trainable:
             if self._grad(p) is None or p is tied_copy:
                 continue
             sq = square_sum(self._grad(p))
@@ -686,7 +746,7 @@ class MegatronEngine:
         norm = float(total.sqrt())
         if max_norm > 0 and norm > max_norm:
             scale = max_norm / (norm + 1e-6)
-            for p in self.model.parameters():
+            for p in self.trainable:
                 if self._grad(p) is not None:
                     self._grad(p).mul_(scale)
         return norm
