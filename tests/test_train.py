@@ -266,7 +266,8 @@ def test_quiet_terminal_full_logs(ppo: tuple[Path, list[dict]]) -> None:
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[dict]]:
-    """GRPO with LoRA adapters (actor.lora) and a KL loss to the frozen base, TP=2 on 2 workers, on
+    """GRPO with LoRA adapters (actor.lora) and a KL loss to the frozen base, TP=2 x PP=2 on 4 workers
+    with rollout TP=2 (so every reshard merges and re-splits the adapters across both layouts), on
     the tiny model with its embedding scaled x5. Why scaled: the tiny model's tied embedding (std
     0.02) caps how far any change of the final hidden state can move its logits (|e| |h| ~ 2.6
     after the final RMSNorm), and LoRA leaves the embedding frozen; full fine-tuning learns through
@@ -287,7 +288,8 @@ def lora_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list
         t["model.embed_tokens.weight"] = t["model.embed_tokens.weight"] * 5
         save_file(t, str(f), metadata={"format": "pt"})
     d = root / "run"
-    return model, d, hpcrl_run(d, f"model.path={model}", "trainer.workers_per_node=2", "actor.lora.rank=8",
+    return model, d, hpcrl_run(d, f"model.path={model}", "actor.parallel.pipeline_parallel=2",
+                               "rollout.tensor_parallel=2", "actor.lora.rank=8",
                                "actor.lora.alpha=16", "actor.optim.lr=1e-2", "actor.use_kl_loss=true",
                                "actor.kl_loss_type=k2")
 
