@@ -25,7 +25,7 @@ from hpcrl.config import (
     validate,
     world_size,
 )
-from hpcrl.config.validate import read_hf_config
+from hpcrl.config.validate import is_split, max_staleness, read_hf_config, trainer_world_size
 from hpcrl.plan import add_plan_arguments, cluster_for_plan, memory_plan
 
 EXIT_CONFIG = 2
@@ -71,6 +71,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     w = world_size(cfg)
     lines = [f"workers     {w} = trainer.nnodes {cfg.trainer.nnodes} x trainer.workers_per_node "
              f"{cfg.trainer.workers_per_node}, plus 1 controller rank (MPI world of {w + 1})"]
+    if is_split(cfg):
+        t = trainer_world_size(cfg)
+        lines.append(f"placement   split: workers 1-{t} train, workers {t + 1}-{w} run the vLLM engines; generation "
+                     f"runs {max_staleness(cfg)} step(s) ahead of training (rollout.max_staleness)")
+    elif not is_dpo(cfg):
+        lines.append("placement   colocated: every worker trains and runs a vLLM engine, taking turns "
+                     "(trainer.placement=split gives the engines workers of their own)")
     for role, lay in role_layouts(cfg).items():
         note = " (colocated with the actor)" if role == "reference" and cfg.reference.parallel is None else ""
         lines.append(f"{role:<11} {lay}{note}")

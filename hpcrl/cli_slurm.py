@@ -33,7 +33,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
     try:
         req = SubmitRequest(config=args.config, overrides=list(args.overrides), nodes=args.nodes,
                             gpus_per_node=args.gpus_per_node, partition=args.partition, time=args.time,
-                            requeue=args.requeue, target=args.target, check_paths=not args.skip_path_checks)
+                            requeue=args.requeue, rollout_nodes=args.rollout_nodes, target=args.target,
+                            check_paths=not args.skip_path_checks)
         sub = prepare(req)
     except RuntimeError as e:  # submitit: no srun on PATH
         print(f"hpcrl submit: {e}", file=sys.stderr)
@@ -64,7 +65,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
                           "stdout": sub.stdout, "stderr": sub.stderr, "submission_file": sub.submission_file}))
         return 0
     gpus = cfg.slurm.gpus_per_node
-    print(f"hpcrl submit: job {sub.job_id} ({sub.job_name}): 1 controller + {cfg.trainer.nnodes} node(s) x "
+    rollout = f" (the last {args.rollout_nodes} for the rollout engines)" if args.rollout_nodes else ""
+    print(f"hpcrl submit: job {sub.job_id} ({sub.job_name}): 1 controller + {cfg.trainer.nnodes} node(s){rollout} x "
           f"{cfg.trainer.workers_per_node} worker(s){f', {gpus} GPU(s) per node' if gpus else ''}, "
           f"partition {cfg.slurm.partition or '(default)'}, time {cfg.slurm.time}")
     print(f"  run dir   {sub.run_dir}")
@@ -160,10 +162,14 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("submit", help="submit a run as a Slurm heterogeneous job (controller + worker nodes)",
                        description="Validate CONFIG (exit 2 naming the key), then submit one heterogeneous job: "
-                                   "het group 0 = the controller (1 task), het group 1 = NODES x workers. "
+                                   "het group 0 = the controller (1 task), het group 1 = NODES x workers "
+                                   "(with --rollout-nodes, het group 2 = the rollout nodes). "
                                    "Logs and job files go to {trainer.run_dir}/slurm/.")
     _add_config_args(p)
     p.add_argument("--nodes", type=int, help="worker nodes (sets trainer.nnodes; default: the config's)")
+    p.add_argument("--rollout-nodes", type=int,
+                   help="M more nodes for the vLLM engines alone, in a third het group (sets trainer.placement=split, "
+                        "trainer.rollout_workers = M x workers per node, trainer.nnodes = NODES + M)")
     p.add_argument("--gpus-per-node", type=int,
                    help="GPUs per worker node, one worker each (sets slurm.gpus_per_node and "
                         "trainer.workers_per_node; default: the config's; 0: CPU workers)")

@@ -105,3 +105,17 @@ def grpo_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list
     """The uninterrupted GRPO run (saves every 4 steps, like the interrupted copies)."""
     d = tmp_path_factory.mktemp("grpo") / "run"
     return d, hpcrl_run(d, "algorithm.adv_estimator=grpo", "checkpoint.save_every=4")
+
+
+# GRPO with the split placement: workers 1-2 train (TP=2), workers 3-4 run one vLLM engine each; one
+# batch is generated ahead (rollout.max_staleness defaults to 1 there), with truncated importance weights
+SPLIT_OVERRIDES = ["trainer.placement=split", "trainer.rollout_workers=2", "algorithm.rollout_correction=tis",
+                   "checkpoint.save_every=4"]
+
+
+@pytest.fixture(scope="session")
+def one_step_off(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    """The uninterrupted one-step-off run (tests/test_train.py checks it learns; tests/test_resume.py
+    preempts a copy)."""
+    d = tmp_path_factory.mktemp("one-step-off") / "run"
+    return d, hpcrl_run(d, *SPLIT_OVERRIDES)

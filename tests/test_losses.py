@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from hpcrl.algos.losses import kl_estimate, ppo_policy_loss, token_weights, value_loss
+from hpcrl.algos.losses import kl_estimate, ppo_policy_loss, token_weights, truncated_is_weights, value_loss
 
 
 def _loss(ratio: float, adv: float, **kw) -> tuple[float, bool]:
@@ -200,3 +200,18 @@ def test_shuffled_minibatches_are_seeded_and_weighted_per_minibatch() -> None:
         # token-mean weights are normalised over the whole mini-batch (all DP parts together)
         w = sum(float(out["loss_weight"][j].sum()) for j, r in enumerate(out["row"].tolist()) if r in rows[k])
         assert w == pytest.approx(1.0)
+
+
+def test_truncated_importance_weights_by_hand() -> None:
+    """TIS (algorithm.rollout_correction=tis): w = min(p_old / p_rollout, cap) on the response tokens,
+    0 elsewhere. Probabilities chosen so the ratios are 0.5, 1, 1.5 and 4 (capped at 2)."""
+    p_old = torch.tensor([[0.0, 0.2, 0.3, 0.3, 0.8]])
+    p_rollout = torch.tensor([[0.0, 0.4, 0.3, 0.2, 0.2]])
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0, 1.0]])
+    old = torch.where(mask.bool(), p_old.clamp(min=1e-9).log(), torch.zeros(()))
+    rollout = torch.where(mask.bool(), p_rollout.clamp(min=1e-9).log(), torch.zeros(()))
+    w, m = truncated_is_weights(old, rollout, mask, cap=2.0)
+    assert w[0].tolist() == pytest.approx([0.0, 0.5, 1.0, 1.5, 2.0], abs=1e-6)
+    assert m["rollout_is/weight_mean"] == pytest.approx((0.5 + 1.0 + 1.5 + 2.0) / 4, abs=1e-6)
+    assert m["rollout_is/ratio_max"] == pytest.approx(4.0, rel=1e-6)
+    assert m["rollout_is/truncated_frac"] == pytest.approx(0.25)

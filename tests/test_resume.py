@@ -26,13 +26,23 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import ARITH, HPCRL, REPO, TRAIN_OVERRIDES, TRAIN_STEPS, hpcrl_run, read_jsonl, run
+from conftest import (
+    ARITH,
+    HPCRL,
+    REPO,
+    SPLIT_OVERRIDES,
+    TRAIN_OVERRIDES,
+    TRAIN_STEPS,
+    hpcrl_run,
+    read_jsonl,
+    run,
+)
 
 SLURM_OVERRIDES = [*TRAIN_OVERRIDES, "algorithm.adv_estimator=grpo", "checkpoint.save_every=4",
                    "trainer.workers_per_node=2"]
-# Wall-clock numbers and the processes' peak memory differ between runs; everything else in a step
+# Wall-clock numbers (and the timelines) and the processes' peak memory differ between runs; everything else in a step
 # record must be identical.
-TIMING = ("time/", "throughput/", "memory/")
+TIMING = ("time/", "throughput/", "memory/", "trace/")
 
 
 def submit(run_dir: Path, partition: str, *extra: str, env: dict[str, str] | None = None) -> str:
@@ -297,3 +307,39 @@ def processes() -> dict[int, bytes]:
             except OSError:
                 pass
     return out
+
+
+def test_one_step_off_run_stopped_and_resumed_trains_on_the_same_batches(one_step_off: tuple[Path, list[dict]],
+                                                                         tmp_path: Path) -> None:
+    """The split placement's one-step-off run, stopped by SIGTERM after a few steps (what scancel or a
+    preemption sends; locally the controller saves at the next step boundary and exits): its checkpoint
+    holds the batch generated for the next step, so the resumed run trains on exactly the batches of the
+    uninterrupted run. Each prompt is seen once, none skipped or repeated, and the weights at the end are
+    the same byte for byte."""
+    ref_dir, ref_steps = one_step_off
+    run_dir = tmp_path / "run"
+    args = [HPCRL, "run", "configs/grpo_tiny.yaml", f"trainer.run_dir={run_dir}", *TRAIN_OVERRIDES, *SPLIT_OVERRIDES]
+    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 600
+        while steps_done(run_dir) < 3:
+            assert proc.poll() is None and time.time() < deadline, "the run ended before step 3"
+            time.sleep(0.2)
+        (log,) = (run_dir / "logs").glob("rank0.*.log")  # the controller's file names its pid
+        os.kill(int(re.search(r"start pid=(\d+)", log.read_text()).group(1)), 15)
+        assert proc.wait(timeout=300) == 0
+    finally:
+        proc.kill()
+    stopped = steps_done(run_dir)
+    assert 3 <= stopped < TRAIN_STEPS
+    latest = run_dir / "checkpoints" / f"step_{stopped:08d}"
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == latest.name
+    assert (latest / "rollouts_ahead.pt").is_file()  # the batch of step stopped + 1, generated before the stop
+    steps = hpcrl_run(run_dir, *SPLIT_OVERRIDES)
+    log = controller_log(run_dir)
+    assert f"resumed with 1 batch(es) generated ahead, for step(s) [{stopped + 1}]" in log
+    assert [m["step"] for m in steps] == list(range(1, TRAIN_STEPS + 1))
+    assert same_records(ref_steps, steps) == []  # prompts, rewards, losses, staleness: all equal
+    rows = [r for m in steps for r in m["data/prompt_rows"]]
+    assert len(rows) == len(set(rows)) == 8 * TRAIN_STEPS
+    assert shard_digests(ref_dir, TRAIN_STEPS) == shard_digests(run_dir, TRAIN_STEPS)

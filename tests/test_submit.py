@@ -114,8 +114,10 @@ def jobs(slurm_cluster: None, tmp_path_factory: pytest.TempPathFactory,
     name = f'$(touch {marker}1) "q" s p\'x`touch {marker}2`;y $(touch {marker}3)'
     assert len(name) < 200, name
     t0 = time.monotonic()
-    a = run([HPCRL, "submit", "--nodes", "2", "--json", "configs/grpo_tiny.yaml", "trainer.total_steps=3",
-             "trainer.workers_per_node=2", "trainer.val_every=0", f"trainer.experiment={name}",
+    # the split placement on nodes of its own: trainer node (TP=2) + rollout node (one TP=2 engine), synchronous
+    a = run([HPCRL, "submit", "--nodes", "1", "--rollout-nodes", "1", "--json", "configs/grpo_tiny.yaml",
+             "trainer.total_steps=3", "trainer.workers_per_node=2", "trainer.val_every=0", "rollout.max_staleness=0",
+             "rollout.tensor_parallel=2", "algorithm.rollout_correction=tis", f"trainer.experiment={name}",
              f"trainer.run_dir={base}/runs/${{trainer.experiment}}"], timeout=300, env=env_registry)
     assert a.returncode == 0, a.stderr + a.stdout
     sub_a = json.loads(a.stdout)
@@ -181,15 +183,22 @@ def test_signals_reach_the_controller_and_cancel(tmp_path: Path, env_registry: d
 
 @pytest.mark.slurm
 def test_submit_grpo_hetjob_completes(jobs: dict, env_registry: dict[str, str]) -> None:
-    """hpcrl submit --nodes 2 configs/grpo_tiny.yaml, 3 steps: both het components COMPLETED, 3 steps of metrics."""
+    """hpcrl submit --nodes 1 --rollout-nodes 1 configs/grpo_tiny.yaml, 3 steps: the three het components
+    (controller, trainer node, rollout node) COMPLETED, 3 steps of metrics; after every weight transfer
+    from the trainer's node, the engine's log-probs equal the trainer's."""
     sub = jobs["a"]
     job, run_dir, folder = sub["job_id"], Path(sub["run_dir"]), Path(sub["folder"])
     logs = _tail(Path(sub["stdout"])) + _tail(Path(sub["stderr"]))
-    assert _sacct_components(job) == {f"{job}+0": "COMPLETED", f"{job}+1": "COMPLETED"}, logs
+    assert _sacct_components(job) == {f"{job}+0": "COMPLETED", f"{job}+1": "COMPLETED", f"{job}+2": "COMPLETED"}, logs
     assert _steps(run_dir) == [1, 2, 3], logs
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["time/transfer"] > 0 and "weights/sent_mb" in m for m in steps)
+    assert max(m["rollout_actor_logprob_gap_max"] for m in steps) < 1e-4, [m["rollout_actor_logprob_gap_max"]
+                                                                             for m in steps]
+    assert "--het-group=0,1,2" in Path(sub["stderr"]).read_text(errors="replace")
     assert folder == run_dir / "slurm" and (folder / "job.json").is_file() and (folder / "config.yaml").is_file()
     script = Path(sub["submission_file"]).read_text()
-    assert "#SBATCH hetjob" in script and "#SBATCH --signal=B:USR1@300" in script
+    assert script.count("#SBATCH hetjob") == 2 and "#SBATCH --signal=B:USR1@300" in script
     assert "#SBATCH --requeue" in script and "#SBATCH --open-mode=append" in script
     assert "[hpcrl slurm] srun exited with status 0" in Path(sub["stderr"]).read_text(errors="replace")
     # quiet job log: the step lines; each rank's library output in its own file of the run
@@ -205,7 +214,7 @@ def test_submit_grpo_hetjob_completes(jobs: dict, env_registry: dict[str, str]) 
     status = json.loads(st.stdout)
     assert status["state"] == "COMPLETED" and status["step"] == 3 and status["restarts"] == 0
     assert status["run_dir"] == str(run_dir)
-    assert [c["state"] for c in status["components"]] == ["COMPLETED", "COMPLETED"]
+    assert [c["state"] for c in status["components"]] == ["COMPLETED", "COMPLETED", "COMPLETED"]
     human = run([HPCRL, "status", job], env=env_registry)
     assert "COMPLETED" in human.stdout and "step 3" in human.stdout
 
@@ -386,6 +395,15 @@ def test_allocation_decides_the_worker_layout(tmp_path: Path) -> None:
         resolve_config_args("configs/grpo_tiny.yaml", [], {"SLURM_HET_SIZE": "1"})
     with pytest.raises(AllocationError, match="same number"):
         resolve_config_args("configs/grpo_tiny.yaml", [], {**env, "SLURM_NTASKS_HET_GROUP_1": "3"})
+    # a third group: the rollout nodes of the split placement, counted in trainer.nnodes, their ranks last
+    three = {**env, "SLURM_HET_SIZE": "3", "SLURM_JOB_NUM_NODES_HET_GROUP_2": "1", "SLURM_NTASKS_HET_GROUP_2": "2"}
+    _, cfg = resolve_config_args("configs/grpo_tiny.yaml", ["actor.parallel.tensor_parallel=2"], three, cwd=str(REPO))
+    assert (cfg.trainer.nnodes, cfg.trainer.workers_per_node) == (3, 2)
+    assert (cfg.trainer.placement, cfg.trainer.rollout_workers) == ("split", 2)
+    with pytest.raises(ConfigError, match="trainer.placement=colocated: the allocation has 2 trainer node"):
+        resolve_config_args("configs/grpo_tiny.yaml", ["trainer.placement=colocated"], three)
+    with pytest.raises(AllocationError, match="same number of workers per node"):
+        resolve_config_args("configs/grpo_tiny.yaml", [], {**three, "SLURM_NTASKS_HET_GROUP_2": "4"})
 
 
 def test_failed_runs_are_not_requeued_when_a_restart_cannot_help(tmp_path: Path,

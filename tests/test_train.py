@@ -340,3 +340,32 @@ def test_lora_checkpoint_holds_the_adapters_and_exports_for_peft(lora_run: tuple
     r = run([HPCRL, "ckpt", "export-hf", str(full_run), "--out", str(tmp_path / "x"), "--lora"])
     assert r.returncode == 2 and "no LoRA adapters" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "x").exists()
+
+
+def test_one_step_off_split_placement_learns(one_step_off: tuple[Path, list[dict]]) -> None:
+    """GRPO with the engines on workers of their own, generating batch k+1 while the trainer
+    updates on batch k: it learns as the synchronous run does, every batch after the first comes from
+    the weights one step behind, and every rollout worker received the model once per step."""
+    run_dir, steps = one_step_off
+    rewards = [m["reward/mean"] for m in steps]
+    assert [m["step"] for m in steps] == list(range(1, TRAIN_STEPS + 1))
+    assert mean(rewards[-5:]) > mean(rewards[:5]) + 0.08, rewards  # the colocated test's criterion
+    assert [m["rollout/staleness"] for m in steps] == [0.0] + [1.0] * (TRAIN_STEPS - 1)
+    assert [m["rollout/policy_version"] for m in steps] == [0.0] + [float(s - 2) for s in range(2, TRAIN_STEPS + 1)]
+    # the first batch is generated before training; the others while the previous step trained
+    assert "time/generate" in steps[0] and not any("time/generate" in m for m in steps[1:])
+    # each prompt of the epoch (2000 rows, 8 per step) exactly once, in the sampler's order
+    rows = [r for m in steps for r in m["data/prompt_rows"]]
+    assert len(rows) == len(set(rows)) == 8 * TRAIN_STEPS
+    # truncated importance weights of the stale batches: ratios around 1, capped at 2
+    assert all(0.5 < m["rollout_is/weight_mean"] < 1.5 and m["rollout_is/ratio_max"] > 1 for m in steps[1:])
+    # the weights went to the engines after every step but the last (nothing generates after it)
+    transfers = [m for m in steps if "weights/sent_mb" in m]
+    assert transfers == steps[:-1] and all(m["time/transfer"] > 0 for m in transfers)
+    # every rollout rank received the model's tensors once (rollout TP=1: exactly its engine's weights)
+    assert all(m["weights/received_mb_max"] == m["weights/sent_mb"] > 1.0 for m in transfers)
+    # each side's peak memory is recorded: 2 trainer ranks and 2 rollout ranks
+    assert all(f"memory/rank{r}/rss_gb" in steps[-1] for r in range(1, 5))
+    log = (run_dir / "logs" / "controller.log").read_text()
+    assert "split placement" in log and "worker groups ready" in log
+

@@ -67,3 +67,18 @@ def token_weights(response_masks: list[torch.Tensor], mode: str) -> list[torch.T
     if mode == "seq-mean-token-sum":
         return [m.float() / n_seq for m in response_masks]
     raise ValueError(f"unknown loss_agg_mode {mode!r}")
+
+
+def truncated_is_weights(old_logprob: torch.Tensor, rollout_logprob: torch.Tensor, mask: torch.Tensor,
+                         cap: float) -> tuple[torch.Tensor, dict[str, float]]:
+    """Truncated importance sampling (TIS) for samples drawn by the rollout engine's policy: per token
+    w = min(pi_old / pi_rollout, cap) = min(exp(old_logprob - rollout_logprob), cap), 0 outside
+    `mask`; each token's policy loss is multiplied by it. Metrics over the masked tokens: the weights'
+    mean, the largest ratio before truncation, the share truncated (Yao et al. 2025)."""
+    m = mask.bool()
+    ratio = torch.exp(old_logprob.double() - rollout_logprob.double())
+    weights = torch.where(m, ratio.clamp(max=cap), torch.zeros_like(ratio)).float()
+    r = ratio[m]
+    return weights, {"rollout_is/weight_mean": float(weights[m].mean()) if r.numel() else 1.0,
+                     "rollout_is/ratio_max": float(r.max()) if r.numel() else 1.0,
+                     "rollout_is/truncated_frac": float((r > cap).double().mean()) if r.numel() else 0.0}

@@ -180,7 +180,8 @@ class MultiTurnConfig:
 
 @dataclass
 class RolloutConfig:
-    """vLLM rollout engine, colocated with the trainer. Rollout DP = workers / rollout TP."""
+    """vLLM rollout engines: colocated with the trainer, or on their own workers (trainer.placement).
+    Rollout DP = the workers that run engines / rollout TP."""
 
     tensor_parallel: int = 1  # TP of each vLLM engine (independent of the trainer's layout)
     n: int = 4  # samples per prompt (the group of GRPO/RLOO)
@@ -196,6 +197,11 @@ class RolloutConfig:
     cpu_kv_cache_gib: float | None = None  # see gpu_memory_utilization
     # Size of one weight bucket pushed from the trainer layout into vLLM.
     weight_bucket_mb: int = 256
+    # How many training steps generation may run ahead of the trainer (trainer.placement=split only):
+    # 0 generates a step's batch and then trains on it; 1 is one-step-off (batch k+1 is generated with
+    # the weights before step k while the trainer updates on batch k); k > 1 keeps k batches ahead.
+    # null: 1 with split placement, 0 colocated (where trainer and engines take turns on the devices).
+    max_staleness: int | None = None
     # Passed through to vllm.LLM(...) as they are (e.g. enforce_eager, max_num_seqs).
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
@@ -246,6 +252,13 @@ class AlgorithmConfig:
     # DAPO soft overlong penalty: the last `overlong_buffer` tokens before the limit are penalised.
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0  # the penalty at the limit (a linear ramp from 0 over the buffer)
+    # Correction for samples drawn by another policy than the trainer's old one (the rollout of
+    # one-step-off training ran weights a step older; bf16 kernels differ): none | tis (truncated
+    # importance sampling: each token's policy loss is weighted by min(exp(old - rollout), cap), with
+    # the old log-probs recomputed by the trainer; Yao et al. 2025, "Your efficient RL framework
+    # secretly brings you off-policy RL training").
+    rollout_correction: str = "none"
+    rollout_is_cap: float = 2.0  # tis: the cap of the per-token weight
     dpo: DPOConfig = field(default_factory=DPOConfig)
 
 
@@ -301,6 +314,12 @@ class TrainerConfig:
     # Workers = nnodes * workers_per_node (one per GPU, or one per CPU slot); the controller is extra.
     nnodes: int = 1
     workers_per_node: int = 4  # see nnodes
+    # colocated: every worker holds a trainer shard and a vLLM engine, which take turns on its device.
+    # split: the last `rollout_workers` workers run only vLLM engines and the others only the trainer
+    # roles; after each update the weights travel from the trainer's ranks to the engines
+    # (hpcrl/workers/split.py), and generation can overlap training (rollout.max_staleness).
+    placement: str = "colocated"
+    rollout_workers: int = 0  # split only: how many of the workers run the rollout engines
     device: str = "auto"  # where the workers compute: auto (CUDA when there is a GPU) | cpu | cuda
     # Bound on every receive/collective: a hung or dead rank fails the run instead of hanging it.
     timeout_s: int = 600

@@ -38,6 +38,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "logging.wandb.mode": ("disabled", "offline", "online"),
     "slurm.mpi": ("pmi2", "pmix"),
     "checkpoint.on_save_error": ("stop", "continue"),
+    "trainer.placement": ("colocated", "split"),
+    "algorithm.rollout_correction": ("none", "tis"),
 }
 
 # key -> (lowest allowed, highest allowed, inclusive low); None = unbounded
@@ -105,6 +107,9 @@ RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     "trainer.workers_per_node": (1, None, True),
     "trainer.timeout_s": (1, None, True),
     "trainer.max_nonfinite_steps": (0, None, True),
+    "trainer.rollout_workers": (0, None, True),
+    "rollout.max_staleness": (0, None, True),
+    "algorithm.rollout_is_cap": (1, None, True),
     "checkpoint.save_every": (0, None, True),
     "logging.log_every": (1, None, True),
     "logging.progress_after_s": (0, None, True),
@@ -138,6 +143,31 @@ def world_size(cfg: DictConfig) -> int:
     return cfg.trainer.nnodes * cfg.trainer.workers_per_node
 
 
+def is_split(cfg: Any) -> bool:
+    """The rollout engines run on workers of their own (trainer.placement=split); cfg is the config
+    or its plain-dict form."""
+    return cfg["trainer"]["placement"] == "split"
+
+
+def trainer_world_size(cfg: DictConfig) -> int:
+    """Workers that hold the Megatron roles: all of them colocated, the first ones split."""
+    return world_size(cfg) - (cfg.trainer.rollout_workers if is_split(cfg) else 0)
+
+
+def rollout_world_size(cfg: Any) -> int:
+    """Workers that run vLLM engines: all of them colocated, the last trainer.rollout_workers split;
+    cfg is the config or its plain-dict form."""
+    t = cfg["trainer"]
+    return t["rollout_workers"] if is_split(cfg) else t["nnodes"] * t["workers_per_node"]
+
+
+def max_staleness(cfg: Any) -> int:
+    """How many steps generation runs ahead of training (rollout.max_staleness; null: 1 split, 0
+    colocated); cfg is the config or its plain-dict form."""
+    s = cfg["rollout"]["max_staleness"]
+    return int(s) if s is not None else (1 if is_split(cfg) else 0)
+
+
 def is_dpo(cfg: Any) -> bool:
     """The config trains with DPO (hpcrl/trainer/dpo.py), not the RL loop; cfg is the config or its
     plain-dict form."""
@@ -168,7 +198,7 @@ def kl_loss_active(cfg: Any) -> bool:
 
 def role_layouts(cfg: DictConfig) -> dict[str, Layout]:
     """Training layouts of the enabled Megatron roles (assumes a validated config)."""
-    w = world_size(cfg)
+    w = trainer_world_size(cfg)
     par = {"actor": cfg.actor.parallel}
     if critic_enabled(cfg):
         par["critic"] = cfg.critic.parallel or cfg.actor.parallel
@@ -180,7 +210,7 @@ def role_layouts(cfg: DictConfig) -> dict[str, Layout]:
 
 def rollout_layout(cfg: DictConfig) -> Layout:
     tp = cfg.rollout.tensor_parallel
-    return Layout(tp, 1, world_size(cfg) // tp)
+    return Layout(tp, 1, rollout_world_size(cfg) // tp)
 
 
 def _get(cfg: DictConfig, dotted: str) -> Any:
@@ -255,11 +285,17 @@ def _check_choices_and_ranges(cfg: DictConfig, problems: list[str]) -> None:
 
 
 def _check_layout(cfg: DictConfig, problems: list[str]) -> None:
-    w = world_size(cfg)
-    if w < 1:
+    if world_size(cfg) < 1:
         return  # trainer.nnodes / trainer.workers_per_node < 1: reported by the range check
+    _check_rollout_correction(cfg, problems)
+    if not _check_placement(cfg, problems):
+        return
+    w = trainer_world_size(cfg)
     where = (f"the {w} workers (trainer.nnodes={cfg.trainer.nnodes} x "
              f"trainer.workers_per_node={cfg.trainer.workers_per_node})")
+    if is_split(cfg):
+        where = (f"the {w} trainer workers ({world_size(cfg)} workers, trainer.rollout_workers="
+                 f"{cfg.trainer.rollout_workers} of them for the rollout)")
     roles = {"actor": cfg.actor.parallel}
     if critic_enabled(cfg) and cfg.critic.parallel is not None:
         roles["critic"] = cfg.critic.parallel
@@ -279,10 +315,12 @@ def _check_layout(cfg: DictConfig, problems: list[str]) -> None:
                 f"{role}.parallel.data_parallel={p.data_parallel}: TP x PP x DP = {tp}x{pp}x{p.data_parallel} "
                 f"= {tp * pp * p.data_parallel}, but world size is {w} ({where}). "
                 f"Use {w // (tp * pp)} or leave it null.")
-    rtp = cfg.rollout.tensor_parallel
-    if rtp >= 1 and w % rtp:
-        problems.append(f"rollout.tensor_parallel={rtp}: does not divide {where}; world size {w} needs "
-                        f"a rollout TP in {{{_divisors(w)}}}.")
+    rtp, rw = cfg.rollout.tensor_parallel, rollout_world_size(cfg)
+    if rtp >= 1 and rw % rtp:
+        on = f"the {rw} rollout workers (trainer.rollout_workers)" if is_split(cfg) else where
+        size = "the rollout's world size" if is_split(cfg) else "world size"
+        problems.append(f"rollout.tensor_parallel={rtp}: does not divide {on}; {size} {rw} needs "
+                        f"a rollout TP in {{{_divisors(rw)}}}.")
     # megatron's process groups are per process, and the roles are colocated on the same ranks
     shared = {"critic": cfg.critic.parallel if critic_enabled(cfg) else None, "reference": cfg.reference.parallel}
     a = cfg.actor.parallel
@@ -312,6 +350,47 @@ def _check_layout(cfg: DictConfig, problems: list[str]) -> None:
     if tp_pp >= 1 and w % tp_pp == 0 and mb >= 1 and mb % (w // tp_pp):
         problems.append(f"actor.ppo_mini_batch_size={mb}: must be a multiple of the actor's data-parallel "
                         f"size {w // tp_pp}, so every DP rank gets the same number of samples.")
+
+
+def _check_placement(cfg: DictConfig, problems: list[str]) -> bool:
+    """Split placement and asynchronous rollout; False when the worker counts make the layout checks
+    meaningless."""
+    t, staleness = cfg.trainer, cfg.rollout.max_staleness
+    if not is_split(cfg):
+        if t.rollout_workers:
+            problems.append(f"trainer.rollout_workers={t.rollout_workers}: only for trainer.placement=split (the "
+                            "colocated placement runs an engine on every worker). Set the placement or remove it.")
+        if staleness:
+            problems.append(f"rollout.max_staleness={staleness}: generation can only run ahead of training when the "
+                            "engines have workers of their own; set trainer.placement=split and "
+                            "trainer.rollout_workers, or leave it null.")
+        return True
+    w = world_size(cfg)
+    if not 1 <= t.rollout_workers < w:
+        problems.append(f"trainer.rollout_workers={t.rollout_workers}: trainer.placement=split needs 1 to {w - 1} of "
+                        f"the {w} workers for the rollout engines (the others train).")
+        return False
+    if is_dpo(cfg):
+        problems.append("trainer.placement=split: algorithm.name=dpo has no rollout; use the colocated placement.")
+    if max_staleness(cfg) > 0:
+        # these make several generation rounds per step, each depending on the last one's results
+        for key, on, why in (("algorithm.dynamic_sampling", cfg.algorithm.dynamic_sampling,
+                              "refills a batch from what its rewards were"),
+                             ("algorithm.adv_estimator", cfg.algorithm.adv_estimator == "remax",
+                              "remax generates a greedy baseline with the current weights"),
+                             ("rollout.multi_turn.enable", cfg.rollout.multi_turn.enable,
+                              "the multi-turn loop drives the engines turn by turn")):
+            if on:
+                problems.append(f"{key}={_get(cfg, key)}: not with generation ahead of training "
+                                f"(rollout.max_staleness={max_staleness(cfg)}): it {why}. Set "
+                                "rollout.max_staleness=0 to use it with the split placement.")
+    return True
+
+
+def _check_rollout_correction(cfg: DictConfig, problems: list[str]) -> None:
+    if cfg.algorithm.rollout_correction == "tis" and cfg.actor.old_logprob == "rollout":
+        problems.append("algorithm.rollout_correction=tis: with actor.old_logprob=rollout the old log-probs are the "
+                        "rollout's own and every weight is 1. Use actor.old_logprob=auto or recompute.")
 
 
 def _check_dpo(cfg: DictConfig, problems: list[str]) -> None:
@@ -441,7 +520,9 @@ def _gcd(a: int, b: int) -> int:
 
 
 def _layout_broken(cfg: DictConfig) -> bool:
-    w = world_size(cfg)
+    w = trainer_world_size(cfg)
+    if w < 1:
+        return True
     return any(p.tensor_parallel < 1 or p.pipeline_parallel < 1 or w % (p.tensor_parallel * p.pipeline_parallel)
                for p in (cfg.actor.parallel, cfg.critic.parallel or cfg.actor.parallel,
                          cfg.reference.parallel or cfg.actor.parallel))

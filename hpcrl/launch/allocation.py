@@ -3,14 +3,16 @@
 Runs as the batch script's process on the first node of het group 0 (`launchers/slurm_entry.py`,
 which `sbatch/*.sh` exec, or the function `hpcrl submit` hands to submitit). It
 
-1. checks that the job is a two-component hetjob (group 0: the controller, group 1: the workers),
+1. checks that the job is a two-component hetjob (group 0: the controller, group 1: the workers), or a
+   three-component one (group 2: the rollout workers of trainer.placement=split),
 2. for a config-driven program: loads CONFIG + overrides, makes `trainer.nnodes` / `trainer.workers_per_node`
-   match what Slurm actually allocated to group 1, pins `trainer.run_dir` to an absolute path, validates,
+   (and with group 2 `trainer.placement` / `trainer.rollout_workers`) match what Slurm allocated, pins
+   `trainer.run_dir` to an absolute path, validates,
 3. exports `HPCRL_RUN_DIR` (what the resume logic needs besides `SLURM_RESTART_COUNT`, which Slurm sets),
    `HPCRL_LOG_DIR` and `HPCRL_TERMINAL` (each rank's output file, and quiet unless `logging.verbose`)
    and, under `--mpi=pmi2`, MPICH's netmod (`commands.SLURM_PMI2_ENV`: UCX's start-up overflows the plugin),
    records the job in the job registry and in `{run_dir}/slurm/job.json`,
-4. runs `srun --mpi=pmi2 --het-group=0,1 python launchers/hpcrl_entry.py TARGET ARGS...` as a child and
+4. runs `srun --mpi=pmi2 --het-group=0,1[,2] python launchers/hpcrl_entry.py TARGET ARGS...` as a child and
    forwards USR1 and TERM to it; srun relays them to every task.
 
 Why forward: `#SBATCH --signal=B:USR1@N` (the "save and requeue now" warning) is delivered to the batch
@@ -64,25 +66,35 @@ def override(key: str, value: Any) -> str:
     return f"{key}={json.dumps(value)}"
 
 
-def het_worker_shape(env: Mapping[str, str]) -> tuple[int, int]:
-    """(nodes, tasks per node) of het group 1, the workers; refuses anything but a 2-component hetjob."""
-    if env.get("SLURM_HET_SIZE") != "2":
+def het_worker_shape(env: Mapping[str, str]) -> tuple[int, int, int]:
+    """(worker nodes, tasks per node, of those nodes the rollout ones) of the hetjob: group 1 the workers,
+    or with a third group (the split placement) group 1 the trainer nodes and group 2 the rollout nodes;
+    refuses any other shape."""
+    size = env.get("SLURM_HET_SIZE")
+    if size not in ("2", "3"):
         raise AllocationError(
             f"not inside a two-component heterogeneous job (SLURM_HET_SIZE={env.get('SLURM_HET_SIZE', 'unset')}): "
-            "hpcrl needs het group 0 = the controller (1 task) and het group 1 = the workers. Submit with "
-            "`hpcrl submit`, or use an sbatch script with one `#SBATCH hetjob` line (see sbatch/grpo_tiny.sh).")
-    try:
-        nodes = int(env["SLURM_JOB_NUM_NODES_HET_GROUP_1"])
-        tasks = int(env["SLURM_NTASKS_HET_GROUP_1"])
-    except (KeyError, ValueError) as e:
-        raise AllocationError(f"cannot read the worker group's size from the environment: {e}") from None
+            "hpcrl needs het group 0 = the controller (1 task) and het group 1 = the workers (and, for "
+            "trainer.placement=split, het group 2 = the rollout workers). Submit with `hpcrl submit`, or use an "
+            "sbatch script with `#SBATCH hetjob` lines (see sbatch/grpo_tiny.sh, sbatch/grpo_split.sh).")
     if env.get("SLURM_NTASKS_HET_GROUP_0", "1") != "1":
         raise AllocationError(f"het group 0 must have exactly one task (the controller), it has "
                               f"{env.get('SLURM_NTASKS_HET_GROUP_0')}")
-    if nodes <= 0 or tasks % nodes:
-        raise AllocationError(f"het group 1 has {tasks} task(s) on {nodes} node(s): hpcrl needs the same number "
-                              "of workers on every node (use --ntasks-per-node)")
-    return nodes, tasks // nodes
+    shapes = []
+    for group in range(1, int(size)):
+        try:
+            nodes = int(env[f"SLURM_JOB_NUM_NODES_HET_GROUP_{group}"])
+            tasks = int(env[f"SLURM_NTASKS_HET_GROUP_{group}"])
+        except (KeyError, ValueError) as e:
+            raise AllocationError(f"cannot read het group {group}'s size from the environment: {e}") from None
+        if nodes <= 0 or tasks % nodes:
+            raise AllocationError(f"het group {group} has {tasks} task(s) on {nodes} node(s): hpcrl needs the same "
+                                  "number of workers on every node (use --ntasks-per-node)")
+        shapes.append((nodes, tasks // nodes))
+    if len(shapes) == 2 and shapes[0][1] != shapes[1][1]:
+        raise AllocationError(f"het group 1 has {shapes[0][1]} task(s) per node and het group 2 {shapes[1][1]}: the "
+                              "trainer and rollout nodes need the same number of workers per node")
+    return sum(n for n, _ in shapes), shapes[0][1], shapes[1][0] if len(shapes) == 2 else 0
 
 
 def resolve_config_args(config: str, overrides: Sequence[str], env: Mapping[str, str],
@@ -96,18 +108,25 @@ def resolve_config_args(config: str, overrides: Sequence[str], env: Mapping[str,
     """
     from hpcrl.config import ConfigError, load_config, parse_overrides, validate
 
-    nodes, per_node = het_worker_shape(env)
+    nodes, per_node, rollout_nodes = het_worker_shape(env)
     explicit = {key for key, _, _ in parse_overrides(overrides)}
     cfg = load_config(config, overrides)
     extra: list[str] = []
     problems = []
-    for key, have, want in (("trainer.nnodes", cfg.trainer.nnodes, nodes),
-                            ("trainer.workers_per_node", cfg.trainer.workers_per_node, per_node)):
+    wanted = [("trainer.nnodes", cfg.trainer.nnodes, nodes),
+              ("trainer.workers_per_node", cfg.trainer.workers_per_node, per_node)]
+    if rollout_nodes:  # a third het group: the rollout nodes of the split placement
+        wanted += [("trainer.placement", cfg.trainer.placement, "split"),
+                   ("trainer.rollout_workers", cfg.trainer.rollout_workers, rollout_nodes * per_node)]
+    where = (f"the allocation's worker group (het group 1) has {nodes} node(s) x {per_node} task(s)"
+             if not rollout_nodes else
+             f"the allocation has {nodes - rollout_nodes} trainer node(s) (het group 1) and {rollout_nodes} "
+             f"rollout node(s) (het group 2) of {per_node} task(s) each")
+    for key, have, want in wanted:
         if have == want:
             continue
         if key in explicit:
-            problems.append(f"{key}={have}: the allocation's worker group (het group 1) has {nodes} node(s) x "
-                            f"{per_node} task(s), so {key} must be {want}. Change the override or the sbatch "
+            problems.append(f"{key}={have}: {where}, so {key} must be {want}. Change the override or the sbatch "
                             "options (e.g. `sbatch ... : --nodes=N --ntasks-per-node=W SCRIPT`).")
         else:
             print(f"[hpcrl slurm] {key}={have} in the config; the allocation has {want}: using {key}={want}",
@@ -235,20 +254,22 @@ def remove_stale_segments_on_every_node(env: Mapping[str, str], run_env: Mapping
     removed = remove_stale_segments()
     if removed:
         print(f"[hpcrl slurm] {describe_removed(removed)}", file=sys.stderr, flush=True)
-    nodes = env.get("SLURM_JOB_NUM_NODES_HET_GROUP_1", "")
-    if not nodes.isdigit():
-        return
     code = (f"import sys; sys.path.insert(0, {_REPO!r}); import runpy; "
             "runpy.run_module('hpcrl.launch.shm', run_name='__main__')")
-    cmd = ["srun", "--het-group=1", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", python, "-c", code]
-    try:
-        r = subprocess.run(cmd, env=dict(run_env), timeout=120)
-        if r.returncode != 0:
-            print(f"[hpcrl slurm] warning: the /dev/shm clean-up step on the worker nodes exited with {r.returncode}",
+    for group in range(1, int(env.get("SLURM_HET_SIZE", "2"))):  # the worker nodes (and the rollout nodes)
+        nodes = env.get(f"SLURM_JOB_NUM_NODES_HET_GROUP_{group}", "")
+        if not nodes.isdigit():
+            return
+        cmd = ["srun", f"--het-group={group}", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1",
+               python, "-c", code]
+        try:
+            r = subprocess.run(cmd, env=dict(run_env), timeout=120)
+            if r.returncode != 0:
+                print(f"[hpcrl slurm] warning: the /dev/shm clean-up step on the nodes of het group {group} exited "
+                      f"with {r.returncode}", file=sys.stderr, flush=True)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            print(f"[hpcrl slurm] warning: the /dev/shm clean-up step on the nodes of het group {group} failed: {e}",
                   file=sys.stderr, flush=True)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        print(f"[hpcrl slurm] warning: the /dev/shm clean-up step on the worker nodes failed: {e}",
-              file=sys.stderr, flush=True)
 
 
 def launch(target: str, program_args: Sequence[str], *, config_args: bool = True,
@@ -278,7 +299,8 @@ def launch(target: str, program_args: Sequence[str], *, config_args: bool = True
         run_env = srun_env(run_env)  # MPICH's netmod for Slurm's pmi2 (why: hpcrl/launch/commands.py)
     run_env.setdefault("PYTHONUNBUFFERED", "1")  # ranks' lines reach the job log as they happen
     remove_stale_segments_on_every_node(base_env, run_env, python or sys.executable)
-    cmd = srun_het_command(entry_argv(target, args, python=python), extra=srun_extra)
+    cmd = srun_het_command(entry_argv(target, args, python=python), extra=srun_extra,
+                           groups=int(base_env.get("SLURM_HET_SIZE", "2")))
     print(f"[hpcrl slurm] job {base_env.get('SLURM_JOB_ID', '?')} restart {base_env.get('SLURM_RESTART_COUNT', '0')}"
           f": {shlex.join(cmd)}", file=sys.stderr, flush=True)
     received: list[int] = []

@@ -46,9 +46,10 @@ def mpiexec_command(num_workers: int, argv: Sequence[str], mpiexec: str | None =
             "-n", str(num_workers + 1), *argv]
 
 
-def srun_het_command(argv: Sequence[str], extra: Sequence[str] = ()) -> list[str]:
-    """Inside a two-component hetjob: one world, component 0 = controller, component 1 = workers."""
-    return ["srun", "--mpi=pmi2", "--het-group=0,1", *extra, *argv]
+def srun_het_command(argv: Sequence[str], extra: Sequence[str] = (), groups: int = 2) -> list[str]:
+    """Inside a hetjob: one world, component 0 = controller, component 1 = workers (with 3 groups:
+    component 1 = the trainer's workers, component 2 = the rollout workers, whose ranks come last)."""
+    return ["srun", "--mpi=pmi2", f"--het-group={','.join(map(str, range(groups)))}", *extra, *argv]
 
 
 # What MPICH needs under `srun --mpi=pmi2` (measured with pip's MPICH 5.0.2 and Debian's Slurm, PMI_DEBUG=1):

@@ -151,6 +151,9 @@ class SubmitRequest:
     partition: str | None = None
     time: str | None = None
     requeue: bool | None = None
+    # the split placement on nodes of its own: a third het group of this many rollout nodes; `nodes`
+    # then counts the trainer's nodes
+    rollout_nodes: int | None = None
     target: str = TRAINER_TARGET
     check_paths: bool = True
 
@@ -201,6 +204,14 @@ def prepare(req: SubmitRequest, cwd: str | None = None) -> Submission:
     gpus = req.gpus_per_node if req.gpus_per_node is not None else cfg.slurm.gpus_per_node
     if gpus and gpus > 0:
         extra.append(f"trainer.workers_per_node={gpus}")  # one worker per GPU
+    rollout_nodes = req.rollout_nodes or 0
+    if req.rollout_nodes is not None:
+        if req.rollout_nodes < 1:
+            problems.append(f"--rollout-nodes {req.rollout_nodes}: must be at least 1")
+        per_node = gpus if gpus and gpus > 0 else cfg.trainer.workers_per_node
+        trainer_nodes = req.nodes if req.nodes is not None else cfg.trainer.nnodes
+        extra += [f"trainer.nnodes={trainer_nodes + rollout_nodes}", "trainer.placement=split",
+                  f"trainer.rollout_workers={rollout_nodes * per_node}"]
     if req.partition is not None:
         extra.append(override("slurm.partition", req.partition))
     if req.time is not None:
@@ -239,7 +250,7 @@ def prepare(req: SubmitRequest, cwd: str | None = None) -> Submission:
     job_name = safe_job_name(str(cfg.trainer.experiment))
     pattern_dir = slurm_filename_escape(folder)
     common = {"partition": s.partition, "account": s.account, "qos": s.qos}
-    workers = {**common, "nodes": cfg.trainer.nnodes, "ntasks-per-node": cfg.trainer.workers_per_node,
+    workers = {**common, "nodes": cfg.trainer.nnodes - rollout_nodes, "ntasks-per-node": cfg.trainer.workers_per_node,
                "cpus-per-task": s.cpus_per_worker, "mem": s.mem_per_node,
                "gpus-per-node": s.gpus_per_node or None, "constraint": s.constraint, **extra_opts}
     additional: dict[str, Any] = {
@@ -253,7 +264,9 @@ def prepare(req: SubmitRequest, cwd: str | None = None) -> Submission:
         **({"mem": s.mem_per_node} if s.mem_per_node and str(s.mem_per_node) != "0" else {}),
         **extra_opts,
     }
-    executor = HetSlurmExecutor(folder, het_components=[workers], max_num_timeout=0)
+    # with --rollout-nodes a third group like the workers' (its ranks come last: the rollout side)
+    groups = [workers, {**workers, "nodes": rollout_nodes}] if rollout_nodes else [workers]
+    executor = HetSlurmExecutor(folder, het_components=groups, max_num_timeout=0)
     executor.update_parameters(
         job_name=job_name, time=minutes, nodes=1, ntasks_per_node=1, cpus_per_task=s.cpus_per_worker,
         use_srun=False, wckey=None, additional_parameters=additional,

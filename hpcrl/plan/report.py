@@ -565,6 +565,10 @@ def memory_plan(cfg: DictConfig, args: argparse.Namespace, change: ClusterChange
               f"worker process(es) = {w} workers")
     for note in change.notes:
         print(f"note        {note}")
+    if cfg.trainer.placement == "split":
+        print("note        trainer.placement=split: the plan below is the colocated placement's; a trainer worker of "
+              "the split placement holds its phases without vLLM, a rollout worker vLLM alone (not planned "
+              "separately yet)")
     for line in model_lines:
         print(line)
     precision = (f"{est.dtype} weights" + ("; fp32 master weights and fp32 gradient buffers" if est.dtype == "bf16"

@@ -55,7 +55,8 @@ def storage_error(exc: BaseException) -> Exception | None:
 class Checkpointer:
     """Saves and restores everything a run needs: the roles' Megatron state (written by the
     workers), the sampler position, the KL controller (RL loops; a trainer without one has
-    `kl_ctrl = None`), step and metrics cursor (controller)."""
+    `kl_ctrl = None`), step and metrics cursor (controller), and files the trainer writes itself
+    (`save_controller_files(folder)` -> records, `load_controller_files(folder)`, when it has them)."""
 
     def __init__(self, cfg: DictConfig, trainer: Any, metrics: Any):
         from hpcrl.checkpoint.store import CheckpointStore
@@ -66,7 +67,8 @@ class Checkpointer:
         self.metrics = metrics
         self.store = CheckpointStore(Path(c.dir), keep_last=c.keep_last, keep_every=c.keep_every)
         self.async_save = bool(c.async_save)
-        self.pending: tuple[Path, int, dict[str, Any]] | None = None
+        # an async save in progress: its folder, step, controller state and the controller's own files
+        self.pending: tuple[Path, int, dict[str, Any], list[Any]] | None = None
         # on_save_error=stop: train() ends the run when a save returns False
         self.stop_on_error = c.get("on_save_error", "stop") == "stop"
         self.failed_steps: list[int] = []
@@ -109,15 +111,18 @@ class Checkpointer:
             self.store.check_space(step, self.needed_bytes(state, config_yaml))
             tmp = self.store.begin(step)
             records: list[Any] = []
+            # what only the controller holds besides `state` (the RL loop's batches generated ahead)
+            save_files = getattr(self.trainer, "save_controller_files", None)
+            own = save_files(tmp) if save_files is not None else []
             for group in self.trainer.trained_groups():
                 records += [r for rank in group.save_checkpoint(str(tmp), async_save=asynchronous)
                             for r in rank or []]
             if asynchronous:
-                self.pending = (tmp, step, state)
+                self.pending = (tmp, step, state, own)
                 log.info("checkpoint of step %d: state snapshotted in %.1f s, writing in the background", step,
                          time.perf_counter() - t)
                 return True
-            path = self.store.commit(tmp, step, records, state, config_yaml)
+            path = self.store.commit(tmp, step, records + own, state, config_yaml)
         except Exception as e:
             err = storage_error(e)
             if err is None:
@@ -133,13 +138,13 @@ class Checkpointer:
 
         if self.pending is None:
             return True
-        tmp, step, state = self.pending
+        tmp, step, state, own = self.pending
         self.pending = None
         t = time.perf_counter()
         try:
             records = [r for group in self.trainer.trained_groups() for rank in group.wait_checkpoint()
                        for r in rank or []]
-            path = self.store.commit(tmp, step, records, state, to_yaml(self.cfg))
+            path = self.store.commit(tmp, step, records + own, state, to_yaml(self.cfg))
         except Exception as e:
             err = storage_error(e)
             if err is None:
@@ -195,6 +200,9 @@ class Checkpointer:
         tr.sampler.load_state_dict(state["sampler"])
         if getattr(tr, "kl_ctrl", None) is not None:
             tr.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        load_files = getattr(tr, "load_controller_files", None)
+        if load_files is not None:
+            load_files(Path(path))
         self.metrics.truncate(int(state["metrics_cursor"]))
         log.info("resumed from %s (step %d, sampler %s) in %.1f s", path, tr.step, state["sampler"],
                  time.perf_counter() - t)

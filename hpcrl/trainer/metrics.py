@@ -30,17 +30,20 @@ class PhaseTimer:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        # [phase, start, end] in unix time: the step's timeline (trace/controller in the step record)
+        self.spans: list[list[Any]] = []
 
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
         from hpcrl.trainer.progress import phase_running
 
-        t = time.perf_counter()
+        t, start = time.perf_counter(), time.time()
         try:
             with phase_running(phase):
                 yield
         finally:
             self.seconds[phase] += time.perf_counter() - t
+            self.spans.append([phase, round(start, 4), round(time.time(), 4)])
 
 
 def peak_memory_metrics(per_rank: Sequence[dict[str, float]], ranks: Sequence[int] | None = None

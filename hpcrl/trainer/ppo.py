@@ -2,10 +2,10 @@
 
 One step, as the controller sees it (every call below runs SPMD on the worker groups)::
 
-    actor.enter_rollout()                     # trainer weights -> vLLM, in place
-    batch = generate(actor, prompts)          # n samples per prompt (+ DAPO refills)
+    placement.to_rollout()                    # trainer weights -> vLLM (hpcrl.trainer.placement)
+    batch = generate(rollout, prompts)        # n samples per prompt (+ DAPO refills)
     scores = reward(batch)                    # rule-based / custom / reward model
-    actor.enter_training()
+    placement.to_training()
     old_logprob = actor.compute_logprob(batch)            # unless on-policy or from the rollout
     ref_logprob = reference.compute_logprob(batch)        # when a KL term is used
     values = critic.compute_values(batch)                 # gae
@@ -14,6 +14,10 @@ One step, as the controller sees it (every call below runs SPMD on the worker gr
 
 The estimators and losses are plain functions (hpcrl.algos); the algorithms differ only in
 `algorithm.adv_estimator`, `algorithm.policy_loss` and a few switches, so one loop serves them all.
+
+With the split placement and rollout.max_staleness > 0, `generate` is replaced by a batch generated
+ahead (hpcrl.trainer.ahead): the next batch is generated on the engines while this one trains, and
+collected after the update, before the new weights are sent.
 
 With rollout.multi_turn.enable, `generate` is the multi-turn loop of hpcrl.agents.rollout (tools
 called between the model's turns); it returns the same batch, whose response_mask leaves the tool
@@ -25,9 +29,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,14 +40,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from hpcrl.algos.advantages import compute_advantages, masked_mean, token_level_rewards
 from hpcrl.algos.kl_control import make_kl_controller
-from hpcrl.algos.losses import kl_estimate
+from hpcrl.algos.losses import kl_estimate, truncated_is_weights
 from hpcrl.algos.sampling import groups_with_signal, overlong_penalty
 from hpcrl.config import critic_enabled, reference_enabled
+from hpcrl.config.validate import max_staleness
 from hpcrl.controller import WorkerGroup
 from hpcrl.controller.batch import Batch
 from hpcrl.data import PromptDataset, PromptRow, ShuffledSampler, iterate_batches
 from hpcrl.engines.vllm.engine import SEED_SPACE, SamplingSettings
 from hpcrl.rewards import RewardInput, RewardScorer
+from hpcrl.trainer.ahead import Generated, RolloutsAhead
 from hpcrl.trainer.metrics import (
     PhaseTimer,
     distribution_metrics,
@@ -50,8 +57,9 @@ from hpcrl.trainer.metrics import (
     per_source_metrics,
     phase_throughput,
 )
+from hpcrl.trainer.placement import make_placement
 from hpcrl.trainer.progress import advance
-from hpcrl.workers.actor_rollout import ActorRolloutRole, generate, generate_each, logprob_gap
+from hpcrl.workers.actor_rollout import generate, generate_each, logprob_gap, start_generate
 from hpcrl.workers.batching import arrange_minibatches
 from hpcrl.workers.megatron_roles import FrozenBase, MegatronRole
 
@@ -114,21 +122,27 @@ class PPOTrainer:
         self.step = 0  # optimizer steps of the loop done so far (the step counter of checkpoints)
 
         t = time.perf_counter()
-        log.info("building the actor + rollout group (Megatron %s, vLLM rollout TP=%d)",
-                 dict(cfg.actor.parallel), cfg.rollout.tensor_parallel)
-        self.actor = WorkerGroup(ActorRolloutRole, init_kwargs={"cfg": self.plain}, name="actor")
+        log.info("building the actor and rollout groups (%s placement, Megatron %s, vLLM rollout TP=%d)",
+                 cfg.trainer.placement, dict(cfg.actor.parallel), cfg.rollout.tensor_parallel)
+        self.placement = make_placement(self.plain)
+        self.actor = self.placement.actor
+        on = self.placement.trainer_ranks  # the other roles live with the actor
         self.reference: WorkerGroup | FrozenBase | None = None
         if reference_enabled(cfg):  # with LoRA the reference is the actor's frozen base, adapters off
             self.reference = (FrozenBase(self.actor) if cfg.actor.lora.rank else
-                              WorkerGroup(MegatronRole, init_kwargs={"cfg": self.plain, "role": "reference"},
+                              WorkerGroup(MegatronRole, ranks=on, init_kwargs={"cfg": self.plain, "role": "reference"},
                                           name="reference"))
-        self.critic = (WorkerGroup(MegatronRole, init_kwargs={"cfg": self.plain, "role": "critic"}, name="critic")
+        self.critic = (WorkerGroup(MegatronRole, ranks=on, init_kwargs={"cfg": self.plain, "role": "critic"},
+                                   name="critic")
                        if critic_enabled(cfg) else None)
         self.reward_model = None
         if cfg.reward.model_path:
             from hpcrl.workers.reward_model import RewardModelRole
 
-            self.reward_model = WorkerGroup(RewardModelRole, init_kwargs={"cfg": self.plain}, name="reward_model")
+            self.reward_model = WorkerGroup(RewardModelRole, ranks=on, init_kwargs={"cfg": self.plain},
+                                            name="reward_model")
+        # batches generated ahead of their step (split placement, rollout.max_staleness > 0)
+        self.ahead = RolloutsAhead(max_staleness(cfg))
         self.dp_size = self.actor.layout.dp_size
         where = self.actor.describe()
         log.info("worker groups ready in %.1f s: %s (actor rank 0: %s %s, %d torch thread(s), CPUs %s, "
@@ -138,7 +152,8 @@ class PPOTrainer:
                  "on" if where["torch_compile"] else "off")
 
     def groups(self) -> list[WorkerGroup | FrozenBase]:
-        return [g for g in (self.actor, self.reference, self.critic, self.reward_model) if g is not None]
+        rollout = self.placement.rollout if self.placement.rollout is not self.actor else None
+        return [g for g in (self.actor, rollout, self.reference, self.critic, self.reward_model) if g is not None]
 
     def trained_groups(self) -> list[WorkerGroup]:
         """What a checkpoint must hold: the frozen reference and reward model reload from their paths."""
@@ -160,7 +175,10 @@ class PPOTrainer:
         if a.old_logprob != "auto":
             return a.old_logprob
         on_policy = samples // a.ppo_mini_batch_size == 1 and a.ppo_epochs == 1
-        return "current" if on_policy and not self.algo.use_kl_in_reward else "recompute"
+        # a batch generated ahead came from older weights than the trainer's, and the truncated
+        # importance weights compare the trainer's old log-probs with the rollout's
+        stale = self.ahead.depth > 0 or self.algo.rollout_correction != "none"
+        return "current" if on_policy and not self.algo.use_kl_in_reward and not stale else "recompute"
 
     def _shuffle_seed(self, step: int, role: str) -> int | None:
         """Seed of the step's mini-batch shuffle for a role (None: in rollout order); a function of
@@ -180,8 +198,8 @@ class PPOTrainer:
         """Generate on the rollout engines: one turn (`generate`), or conversations with tools
         (rollout.multi_turn) in the same wire format."""
         if self.agent is None:
-            return Sampled(generate(self.actor, prompts, sampling))
-        out = self.agent.generate(partial(generate_each, self.actor), prompts, sampling)
+            return Sampled(generate(self.placement.rollout, prompts, sampling))
+        out = self.agent.generate(partial(generate_each, self.placement.rollout), prompts, sampling)
         return Sampled(out.batch, out.truncated, [{"multi_turn": x} for x in out.reward_extra(self.tokenizer)],
                        out.metrics)
 
@@ -226,11 +244,14 @@ class PPOTrainer:
         drawn until the batch is full again or `max_refill_rounds` is spent (then the batch is
         topped up with dropped groups, which carry zero advantage)."""
         n, want = self.cfg.rollout.n, self.cfg.data.train_batch_size
-        rows = [self.train_data[i] for i in self.sampler.next_batch()]
+        indices = self.sampler.next_batch()
+        rows = [self.train_data[i] for i in indices]
         with timer("generate"):
             batch, scores, metrics = self._generate_group(rows, step, 0)
         if not self.algo.dynamic_sampling:
-            return batch, rows, scores, metrics
+            # which rows of the training set the step learnt from (a record of the data order, also
+            # across resumes)
+            return batch, rows, scores, {**metrics, "data/prompt_rows": [int(i) for i in indices]}
         kept: list[tuple[Batch, PromptRow, torch.Tensor]] = []
         spare: list[tuple[Batch, PromptRow, torch.Tensor]] = []
         rounds = 0
@@ -252,18 +273,78 @@ class PPOTrainer:
         batch["prompt_index"] = torch.arange(want).repeat_interleave(n)
         return batch, [p[1] for p in parts], torch.cat([p[2] for p in parts]), metrics
 
+    def _start_rollout(self, step: int, version: int) -> Callable[[], Generated]:
+        """Draw the prompts of `step`'s batch and start generating them on the engines, which run
+        the weights after step `version`; returns at once. The function it returns waits for the
+        samples and scores them."""
+        r = self.cfg.rollout
+        indices = self.sampler.next_batch()
+        rows = [self.train_data[i] for i in indices]
+        sampling = SamplingSettings.from_rollout_config(self.plain["rollout"], seed=self._seed(step, 0))
+        wait = start_generate(self.placement.rollout, [row.prompt_ids for row in rows], sampling)
+
+        def finish() -> Generated:
+            sampled = Sampled(wait())
+            scores, metrics = self.score(sampled, rows, r.n, r.max_new_tokens)
+            return Generated(step, list(indices), sampled.batch, scores, metrics, version)
+
+        return finish
+
+    def rollout_ahead(self, step: int, timer: PhaseTimer) -> tuple[Batch, list[PromptRow], torch.Tensor,
+                                                                   dict[str, float]]:
+        """This step's batch from the queue of batches generated ahead (hpcrl.trainer.ahead). A start
+        or resume first generates what the queue lacks; then the batch rollout.max_staleness steps
+        ahead starts generating, to be collected by `collect_ahead` after this step's update."""
+        # the queue holds the batches of steps step, step + 1, ...
+        while not self.ahead.queue or len(self.ahead.queue) < self.ahead.depth:
+            with timer("generate"):
+                self.ahead.queue.append(self._start_rollout(step + len(self.ahead.queue), step - 1)())
+        item = self.ahead.take(step)
+        later = step + 1 + len(self.ahead.queue)
+        if self.ahead.depth and later <= self.cfg.trainer.total_steps:
+            self.ahead.in_flight = self._start_rollout(later, step - 1)
+        batch = item.batch
+        batch["policy_version"] = torch.full((len(batch),), item.version, dtype=torch.long)
+        metrics = {**item.metrics, "rollout/policy_version": float(item.version),
+                   "rollout/staleness": float(step - 1 - item.version),
+                   "data/prompt_rows": [int(i) for i in item.indices]}
+        return batch, [self.train_data[i] for i in item.indices], item.scores, metrics
+
+    def collect_ahead(self, step: int, timer: PhaseTimer) -> dict[str, float]:
+        """After the update: wait for the batch generated meanwhile, then send the new weights."""
+        if self.ahead.in_flight is None:
+            return {}
+        with timer("generate_wait"):  # what the update did not hide of the generation
+            self.ahead.queue.append(self.ahead.in_flight())
+            self.ahead.in_flight = None
+        with timer(self.placement.sync_phase):
+            return self.placement.to_rollout(step)
+
+    def save_controller_files(self, folder: Path) -> list[dict[str, Any]]:
+        """The batches generated ahead, into a checkpoint folder (records for its manifest)."""
+        return self.ahead.save(folder) if self.ahead.queue else []
+
+    def load_controller_files(self, folder: Path) -> None:
+        self.ahead.load(folder)
+        if self.ahead.queue:
+            log.info("resumed with %d batch(es) generated ahead, for step(s) %s", len(self.ahead.queue),
+                     [g.step for g in self.ahead.queue])
+
     # the step ----------------------------------------------------------------------------------
     def train_step(self, step: int) -> dict[str, float]:
         cfg, algo = self.cfg, self.algo
         timer = PhaseTimer()
         t0 = time.perf_counter()
         metrics: dict[str, float] = {}
-        with timer("reshard"):
-            self.actor.enter_rollout()
+        with timer(self.placement.sync_phase):  # the weights after step - 1 into the engines
+            metrics.update(self.placement.to_rollout(step - 1))
         if self.val_data is not None and (step - 1) % cfg.trainer.val_every == 0:
             with timer("validate"):
                 metrics.update(self.validate())
-        batch, rows, scores, reward_metrics = self.rollout(step, timer)
+        if self.ahead.depth or self.ahead.queue:
+            batch, rows, scores, reward_metrics = self.rollout_ahead(step, timer)
+        else:
+            batch, rows, scores, reward_metrics = self.rollout(step, timer)
         metrics.update(reward_metrics)
         mask = batch["response_mask"]
         lengths = mask.sum(-1)
@@ -281,7 +362,7 @@ class PPOTrainer:
             baseline = base.repeat_interleave(cfg.rollout.n)
             metrics["reward/greedy_baseline_mean"] = float(base.mean())
         with timer("to_training"):
-            self.actor.enter_training()
+            self.placement.to_training()
 
         old_source = self._old_logprob_source(len(batch))
         if old_source == "recompute":
@@ -290,6 +371,10 @@ class PPOTrainer:
             metrics.update(logprob_gap(batch["rollout_logprob"], batch["old_logprob"], mask, step))
         elif old_source == "rollout":
             batch["old_logprob"] = batch["rollout_logprob"].clone()
+        if algo.rollout_correction == "tis":
+            batch["is_weight"], is_metrics = truncated_is_weights(batch["old_logprob"], batch["rollout_logprob"],
+                                                                  mask, algo.rollout_is_cap)
+            metrics.update(is_metrics)
         # "current" (on-policy): no old_logprob field, the update uses its own forward's, detached
         if self.reference is not None:
             with timer("ref_logprob"):
@@ -340,9 +425,15 @@ class PPOTrainer:
             metrics.update({"rollout_actor_logprob_gap_mean": total / max(tokens, 1.0),
                             "rollout_actor_logprob_gap_max": top})
         metrics.update({f"actor/{k}": v for k, v in out.items()})
+        metrics.update(self.collect_ahead(step, timer))
 
-        # every worker process hosts an actor rank (the other roles are colocated with it)
-        metrics.update(peak_memory_metrics(self.actor.peak_memory(), self.actor.ranks))
+        # every worker process hosts an actor rank or a rollout engine (the other roles live with the actor)
+        metrics.update(peak_memory_metrics(*self.placement.peak_memory()))
+        # the step's timeline (tools/bench_async.py draws it): the controller's phases, and with the
+        # split placement when the engines generated (also while the trainer updated)
+        metrics["trace/controller"] = timer.spans
+        if self.placement.rollout is not self.actor:
+            metrics["trace/rollout"] = self.placement.rollout.generation_spans()
         step_s = time.perf_counter() - t0
         resp_tokens = float(lengths.sum())
         all_tokens = float(batch["attention_mask"].sum())
@@ -357,7 +448,9 @@ class PPOTrainer:
             "data/epoch": float(self.sampler.state_dict()["epoch"]),
             "time/step": step_s, "throughput/tokens_per_s": all_tokens / step_s,
             "throughput/response_tokens_per_s": resp_tokens / step_s,
-            "throughput/rollout_tokens_per_s": resp_tokens / max(timer.seconds["generate"], 1e-9),
+            # (not when the generation ran during the last step, hidden by its update)
+            **({"throughput/rollout_tokens_per_s": resp_tokens / max(timer.seconds["generate"], 1e-9)}
+               if "generate" in timer.seconds else {}),
             **{f"time/{k}": v for k, v in timer.seconds.items()},
             # tokens each phase processed: generated ones, then every token once per forward and epoch
             **phase_throughput(timer.seconds, {
@@ -393,11 +486,11 @@ class PPOTrainer:
 
     def final_validation(self) -> dict[str, float]:
         """The validation after the last step (the weights go into the rollout engines first)."""
-        self.actor.enter_rollout()
+        self.placement.to_rollout(self.step)
         return self.validate()
 
     def close(self) -> None:
         self.scorer.close()
         if self.agent is not None:
             self.agent.close()
-        self.actor.close_rollout()
+        self.placement.close()

@@ -19,11 +19,13 @@ is the trainer's, not the rollout's: `generate` cuts the prompts by rollout DP r
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from hpcrl.config.validate import rollout_world_size
 from hpcrl.controller import Collect, Dispatch, register
 from hpcrl.controller.batch import Batch, even_sizes
 from hpcrl.engines.reshard import naive_reshard, reshard_to_rollout
@@ -46,7 +48,7 @@ def cpu_kv_cache_gib_needed(arch: Any, cfg: dict[str, Any], dtype_bytes: int) ->
     or one validation batch's share, with a quarter to spare; at least 1/16 GiB. Too small only
     costs time (vLLM queues the requests that do not fit), too big only memory."""
     r, d = cfg["rollout"], cfg["data"]
-    replicas = max(cfg["trainer"]["nnodes"] * cfg["trainer"]["workers_per_node"] // r["tensor_parallel"], 1)
+    replicas = max(rollout_world_size(cfg) // r["tensor_parallel"], 1)
     seqs = max(-(-d["train_batch_size"] * r["n"] // replicas), -(-d["val_batch_size"] // replicas))
     block = CPU_BLOCK_SIZE
     tokens = seqs * -(-(d["max_prompt_length"] + tokens_after_prompt(r)) // block) * block
@@ -55,28 +57,27 @@ def cpu_kv_cache_gib_needed(arch: Any, cfg: dict[str, Any], dtype_bytes: int) ->
     return max(1.25 * tokens * per_token / (1 << 30), 1 / 16)
 
 
-class ActorRolloutRole(MegatronRole):
-    """A Megatron actor rank with a colocated vLLM engine built from the same model."""
+def build_rollout_engine(cfg: dict[str, Any], model_path: str, arch: Any, dtype: torch.dtype) -> RolloutEngine:
+    """This worker's vLLM engine for a resolved config (rollout section; KV cache sized by
+    `cpu_kv_cache_gib_needed` unless rollout.cpu_kv_cache_gib is set)."""
+    r = cfg["rollout"]
+    engine_kwargs = dict(r.get("engine_kwargs") or {})
+    # long enough for a prompt and its completion, and for teacher-forced checks of both
+    engine_kwargs.setdefault("max_model_len", min(arch.max_position_embeddings,
+                                                  cfg["data"]["max_prompt_length"] + tokens_after_prompt(r)))
+    kv_gib = r["cpu_kv_cache_gib"]
+    if kv_gib is None:
+        kv_gib = cpu_kv_cache_gib_needed(arch, cfg, dtype.itemsize)
+    return RolloutEngine(model_path, tensor_parallel=r["tensor_parallel"], dtype=dtype, seed=cfg["trainer"]["seed"],
+                         cpu_kv_cache_gib=kv_gib, gpu_memory_utilization=r["gpu_memory_utilization"],
+                         engine_kwargs=engine_kwargs)
 
-    def __init__(self, cfg: dict[str, Any], role: str = "actor", model_path: str | None = None):
-        super().__init__(cfg, role, model_path)
-        r = cfg["rollout"]
-        self.rollout_cfg = r
-        # actor.offload: the trainer's weights, gradients and optimizer state go to host memory while
-        # vLLM generates (GPU only; on CPU there is nowhere else to put them)
-        self.offload_trainer = bool(cfg["actor"]["offload"])
-        engine_kwargs = dict(r.get("engine_kwargs") or {})
-        # long enough for a prompt and its completion, and for teacher-forced checks of both
-        engine_kwargs.setdefault("max_model_len", min(self.engine.arch.max_position_embeddings,
-                                                      cfg["data"]["max_prompt_length"] + tokens_after_prompt(r)))
-        kv_gib = r["cpu_kv_cache_gib"]
-        if kv_gib is None:
-            kv_gib = cpu_kv_cache_gib_needed(self.engine.arch, cfg, self.engine.options.dtype.itemsize)
-        self.rollout = RolloutEngine(self.model_path, tensor_parallel=r["tensor_parallel"],
-                                     dtype=self.engine.options.dtype, seed=cfg["trainer"]["seed"],
-                                     cpu_kv_cache_gib=kv_gib,
-                                     gpu_memory_utilization=r["gpu_memory_utilization"],
-                                     engine_kwargs=engine_kwargs)
+
+class RolloutMethods:
+    """What the controller calls on a worker's rollout engine (`self.rollout`), whether the engine
+    shares the worker with the actor (ActorRolloutRole) or has it alone (hpcrl.workers.split)."""
+
+    rollout: RolloutEngine | None
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
     def rollout_coords(self) -> tuple[int, int]:
@@ -87,8 +88,22 @@ class ActorRolloutRole(MegatronRole):
     def generate_shard(self, prompts: list[list[int]], sampling: SamplingSettings,
                        first_index: int) -> list[list[Completion]] | None:
         """Completions for this rollout replica's prompts; only rollout TP rank 0 sends them back."""
+        start = time.time()
         out = self.rollout.generate(prompts, sampling, first_index) if prompts else []
+        self._spans().append([round(start, 4), round(time.time(), 4)])
         return out if self.rollout.tp_rank == 0 else None
+
+    def _spans(self) -> list[list[float]]:
+        if not hasattr(self, "_generation_spans"):
+            self._generation_spans: list[list[float]] = []
+        return self._generation_spans
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
+    def generation_spans(self) -> list[list[float]]:
+        """[start, end] (unix time) of each `generate_shard` on this rank since the last call: when
+        the engine was busy, for timelines of generation running beside training."""
+        spans, self._generation_spans = self._spans(), []
+        return spans
 
     @register(dispatch=Dispatch.PER_RANK, collect=Collect.ALL)
     def generate_each_shard(self, requests: list[tuple[list[int], int | None, int]],
@@ -104,6 +119,29 @@ class ActorRolloutRole(MegatronRole):
         """Teacher-forced log-probs under the rollout engine (label-aligned, one tensor a sequence)."""
         out = self.rollout.prompt_logprobs(seqs) if seqs else []
         return out if self.rollout.tp_rank == 0 else None
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.NONE)
+    def close_rollout(self) -> None:
+        """Shut this group's vLLM engines down (vLLM's parallel state is per process: another
+        group's engine can only be built after this)."""
+        if self.rollout is not None:
+            self.rollout.close()
+            self.rollout = None
+
+    def close(self) -> None:
+        self.close_rollout()
+
+
+class ActorRolloutRole(RolloutMethods, MegatronRole):
+    """A Megatron actor rank with a colocated vLLM engine built from the same model."""
+
+    def __init__(self, cfg: dict[str, Any], role: str = "actor", model_path: str | None = None):
+        super().__init__(cfg, role, model_path)
+        self.rollout_cfg = cfg["rollout"]
+        # actor.offload: the trainer's weights, gradients and optimizer state go to host memory while
+        # vLLM generates (GPU only; on CPU there is nowhere else to put them)
+        self.offload_trainer = bool(cfg["actor"]["offload"])
+        self.rollout = build_rollout_engine(cfg, self.model_path, self.engine.arch, self.engine.options.dtype)
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
     def reshard_to_rollout(self, bucket_mb: float | None = None) -> dict[str, Any]:
@@ -135,17 +173,6 @@ class ActorRolloutRole(MegatronRole):
         """The benchmark's baseline weight sync (full state dict through rank 0)."""
         return naive_reshard(self.engine, self.rollout).as_dict()
 
-    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.NONE)
-    def close_rollout(self) -> None:
-        """Shut this group's vLLM engines down (vLLM's parallel state is per process: another
-        group's engine can only be built after this)."""
-        if self.rollout is not None:
-            self.rollout.close()
-            self.rollout = None
-
-    def close(self) -> None:
-        self.close_rollout()
-
 
 def _per_rank(group: Any, items: Sequence[Any]) -> tuple[list[list[Any]], list[int], list[tuple[int, int]]]:
     """Cut items by rollout DP rank: each worker gets its replica's contiguous slice."""
@@ -164,15 +191,26 @@ def _in_dp_order(results: list[Any], coords: list[tuple[int, int]]) -> list[Any]
 
 
 def generate(group: Any, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> Batch:
-    """Sample `sampling.n` completions per prompt on the rollout engines of an ActorRolloutRole group.
+    """Sample `sampling.n` completions per prompt on the rollout engines of a group with
+    RolloutMethods (ActorRolloutRole, or the split placement's RolloutRole).
 
     Returns the wire format (hpcrl.workers.batching), sample j of prompt i in row i * n + j:
     input_ids / attention_mask / response_mask [B*n, S] right-padded prompt + completion,
     rollout_logprob [B*n, S] token-aligned (0 outside the completion), prompt_index [B*n]."""
-    shards, starts, coords = _per_rank(group, [list(map(int, p)) for p in prompts])
-    results = group.generate_shard(shards, [sampling] * len(shards), starts)
-    per_prompt: list[list[Completion]] = _in_dp_order(results, coords)
-    rows = [(i, list(map(int, prompts[i])), c) for i, samples in enumerate(per_prompt) for c in samples]
+    return start_generate(group, prompts, sampling)()
+
+
+def start_generate(group: Any, prompts: Sequence[Sequence[int]], sampling: SamplingSettings) -> Callable[[], Batch]:
+    """`generate` without waiting: the engines start at once, and the returned function waits for
+    their completions and assembles the batch (the controller meanwhile drives other groups)."""
+    prompts = [list(map(int, p)) for p in prompts]
+    shards, starts, coords = _per_rank(group, prompts)
+    future = group.generate_shard.future(shards, [sampling] * len(shards), starts)
+    return lambda: _assemble(prompts, _in_dp_order(future.result(), coords))
+
+
+def _assemble(prompts: list[list[int]], per_prompt: list[list[Completion]]) -> Batch:
+    rows = [(i, prompts[i], c) for i, samples in enumerate(per_prompt) for c in samples]
     width = max(len(p) + len(c.token_ids) for _, p, c in rows)
     n = len(rows)
     ids = torch.zeros(n, width, dtype=torch.long)

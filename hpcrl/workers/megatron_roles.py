@@ -216,7 +216,9 @@ class MegatronRole(Worker):
     @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.RANK0)
     def update_actor(self, batch: Batch, num_minibatches: int = 1, epochs: int = 1) -> dict[str, float]:
         """PPO-family policy update. Fields: advantages, loss_weight (from arrange_minibatches),
-        old_logprob, optional ref_logprob for the KL loss. Returns mini-batch means.
+        old_logprob, optional ref_logprob for the KL loss, optional is_weight (a per-token weight of
+        the policy loss: the truncated importance weight of algorithm.rollout_correction=tis).
+        Returns mini-batch means.
 
         Without old_logprob the update is on-policy (one mini-batch, one epoch: the caller checks):
         the old log-probs are this forward's own, detached (ratio 1, the gradient of a separate
@@ -226,8 +228,9 @@ class MegatronRole(Worker):
         use_kl = kl_loss_active(self.cfg)
         on_policy = "old_logprob" not in batch.keys()
         measure_gap = "rollout_logprob" in batch.keys()
+        weighted = "is_weight" in batch.keys()
         fields = (["advantages"] + ([] if on_policy else ["old_logprob"]) + (["ref_logprob"] if use_kl else [])
-                  + (["rollout_logprob"] if measure_gap else []))
+                  + (["rollout_logprob"] if measure_gap else []) + (["is_weight"] if weighted else []))
         dual_c = s["clip_ratio_c"] if self.policy_loss == "dual_clip" else None
         entropy_coeff = float(s["entropy_coeff"])
         steps_done = [0]  # optimizer steps taken in this call (the gap is measured before the first)
@@ -236,6 +239,8 @@ class MegatronRole(Worker):
             w = f["loss_weight"] * f["label_mask"]
             old = lp.detach() if on_policy else f["old_logprob"]
             pg, clipped = ppo_policy_loss(lp, old, f["advantages"], s["clip_ratio_low"], s["clip_ratio_high"], dual_c)
+            if weighted:
+                pg = pg * f["is_weight"]
             loss = (w * pg).sum()
             metrics = {"pg_loss": (w * pg).sum(), "pg_clipfrac": (w * clipped.float()).sum(),
                        "ppo_kl": (w * (old - lp)).sum()}

@@ -1,0 +1,91 @@
+"""Split placement: the trainer roles on some workers, the rollout engines on the others.
+
+    MPI rank 0          the controller
+    workers 0..T-1      trainer side: actor (SplitActorRole), reference, critic, reward model;
+                        torch.distributed world of T ranks (Megatron's TP x PP x DP)
+    workers T..T+R-1    rollout side: one vLLM engine each (RolloutRole); torch.distributed world
+                        of R ranks (rollout TP groups of consecutive ranks, the rest rollout DP)
+
+The runtime starts one torch.distributed world over all workers. `SideWorld`, built once on every
+worker before any role, replaces it with one world per side, and opens the bridge: an MPI
+communicator of trainer worker 0 and every rollout worker, over which the weights travel after
+each update (hpcrl.engines.transfer). Neither side ever waits for the other's collectives, so the
+controller can run generation on one side while the other trains (hpcrl.trainer.placement).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from hpcrl.controller import Collect, Dispatch, Worker, register
+from hpcrl.engines.transfer import receive_from_trainer, send_to_rollout
+from hpcrl.workers.actor_rollout import RolloutMethods, build_rollout_engine
+from hpcrl.workers.megatron_roles import MegatronRole, resolve_dtype
+from hpcrl.workers.memory import peak_memory
+
+# this process's end of the bridge (None on trainer workers other than worker 0)
+_bridge: Any = None
+
+
+class SideWorld(Worker):
+    """On every worker: leave the all-worker torch.distributed world for this side's own, and join
+    the bridge if this worker is on it. Must be built before any other role."""
+
+    def __init__(self, trainer_workers: int, timeout_s: float = 300.0):
+        global _bridge
+        from mpi4py import MPI
+
+        from hpcrl.launch.rendezvous import destroy_torch_distributed, init_torch_distributed
+        from hpcrl.launch.world import current_world
+
+        world = current_world()
+        w = world.worker_rank
+        self.side = "trainer" if w < trainer_workers else "rollout"
+        side_comm = world.workers.Split(0 if self.side == "trainer" else 1, w)
+        on_bridge = w == 0 or self.side == "rollout"
+        bridge = world.workers.Split(0 if on_bridge else MPI.UNDEFINED, w)
+        destroy_torch_distributed()
+        init_torch_distributed(world, timeout_s=timeout_s, comm=side_comm)
+        _bridge = bridge if on_bridge else None
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
+    def side_of(self) -> tuple[str, int, int]:
+        """(side, rank in the side's torch world, its size) of this worker."""
+        import torch.distributed as dist
+
+        return (self.side, dist.get_rank(), dist.get_world_size())
+
+
+class SplitActorRole(MegatronRole):
+    """The Megatron actor of the split placement: it trains, and sends its weights to the engines."""
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
+    def send_weights(self, bucket_mb: float | None = None) -> dict[str, Any]:
+        """The trainer's current weights to every rollout worker (with RolloutRole.receive_weights,
+        called on the other side at the same time); trainer rank 0's statistics."""
+        mb = self.cfg["rollout"]["weight_bucket_mb"] if bucket_mb is None else bucket_mb
+        return send_to_rollout(self.engine, _bridge, int(mb * (1 << 20))).as_dict()
+
+
+class RolloutRole(RolloutMethods, Worker):
+    """A vLLM engine alone on its worker (the split placement's rollout side). It keeps its weights
+    and KV cache between steps: nobody else uses its device."""
+
+    def __init__(self, cfg: dict[str, Any]):
+        from hpcrl.engines.megatron.model import read_arch
+
+        path = cfg["model"]["path"]
+        dtype: torch.dtype = resolve_dtype(cfg["model"]["dtype"])
+        self.rollout = build_rollout_engine(cfg, path, read_arch(path), dtype)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
+    def receive_weights(self) -> dict[str, Any]:
+        """Load the weights trainer rank 0 sends (SplitActorRole.send_weights); this rank's statistics."""
+        return receive_from_trainer(self.rollout, _bridge).as_dict()
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
+    def peak_memory(self, reset: bool = True) -> dict[str, float]:
+        """This worker process's peak memory (GB) since the last call: hpcrl.workers.memory."""
+        return peak_memory(reset)

@@ -1,0 +1,142 @@
+"""Colocated vs split placement vs split one-step-off, on the same workers (not CI).
+
+    .venv/bin/python tools/bench_async.py [--config configs/grpo_smollm2.yaml] [--steps 4] [--rounds 2]
+                                          [--out bench-async] [KEY=VALUE ...]
+
+Runs `hpcrl run CONFIG` in three placements of the config's workers, alternating them round by round:
+
+- colocated: every worker trains and generates, taking turns (trainer.placement=colocated);
+- split sync: the last half of the workers generate, the first half train, one after the other
+  (trainer.placement=split, rollout.max_staleness=0);
+- split one-step-off: the same split, batch k+1 generated while batch k trains (rollout.max_staleness=1).
+
+It prints each run's median steady step (steps 2..STEPS, the first one also generates the first batch)
+with the load average and the host's steal time, then steps/s of each placement as ratios (medians over
+the rounds), and draws `OUT/timeline.png`: for each placement the timeline of steps 2..STEPS of its last
+run, one row per group of workers (trainer, rollout), bars for generate / old log-probs / update /
+weight transfer, so that the overlap shows. Run it alone on the machine: other jobs make every number
+wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_step import steal_ticks  # noqa: E402
+
+PLACEMENTS = {
+    "colocated": [],
+    "split sync": ["trainer.placement=split", "rollout.max_staleness=0"],
+    "split one-step-off": ["trainer.placement=split", "rollout.max_staleness=1"],
+}
+# controller phases -> (row, colour); the rollout row of a split run is drawn from the engines' own spans
+ROWS = {"generate": ("rollout", "tab:green"), "validate": ("rollout", "tab:olive"),
+        "old_logprob": ("trainer", "tab:orange"), "ref_logprob": ("trainer", "tab:brown"),
+        "values": ("trainer", "tab:pink"), "update_actor": ("trainer", "tab:blue"),
+        "update_critic": ("trainer", "tab:cyan"), "reshard": ("both", "tab:red"), "transfer": ("both", "tab:red"),
+        "generate_wait": ("trainer", "lightgrey")}
+
+
+def run_once(config: str, steps: int, overrides: list[str]) -> dict:
+    run_dir = Path(tempfile.mkdtemp(prefix="hpcrl-bench-async-")) / "run"
+    cmd = [str(REPO / ".venv" / "bin" / "hpcrl"), "run", config, f"trainer.total_steps={steps}", "trainer.val_every=0",
+           f"trainer.run_dir={run_dir}", "checkpoint.save_every=0", "logging.tensorboard=false", *overrides]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    load0, steal0, t0 = os.getloadavg()[0], steal_ticks(), time.perf_counter()
+    with open(run_dir.parent / "out.log", "w") as log:
+        rc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    if rc != 0:
+        raise SystemExit(f"hpcrl run failed ({' '.join(overrides) or 'colocated'}), see {run_dir.parent / 'out.log'}")
+    records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    steady = records[1:]
+    return {"wall_s": time.perf_counter() - t0, "load_before": load0, "load_after": os.getloadavg()[0],
+            "steal_s": (steal_ticks() - steal0) / os.sysconf("SC_CLK_TCK"),
+            "step_s": statistics.median(m["time/step"] for m in steady),
+            "phases": {k[5:]: statistics.median(m.get(k, 0.0) for m in steady)
+                       for k in sorted({k for m in steady for k in m if k.startswith("time/") and k != "time/step"})},
+            "reward": [round(m["reward/mean"], 3) for m in records], "records": records}
+
+
+def draw(timelines: dict[str, list[dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(12, 1.6 + 1.4 * len(timelines)), squeeze=False)
+    for ax, (name, records) in zip(axes[:, 0], timelines.items()):
+        spans = [s for m in records for s in m.get("trace/controller", [])]
+        t0 = min(s[1] for s in spans)
+        split = any("trace/rollout" in m for m in records)
+        seen: set[str] = set()
+        for phase, start, end in spans:
+            row, colour = ROWS.get(phase, ("trainer", "grey"))
+            if split and phase == "generate":
+                continue  # drawn from the engines' spans below
+            rows = ["trainer", "rollout"] if row == "both" or not split else [row]
+            for r in rows:
+                ax.barh(r, end - start, left=start - t0, color=colour, label=None if phase in seen else phase)
+                seen.add(phase)
+        for m in records:
+            for rank_spans in m.get("trace/rollout", []):
+                for start, end in rank_spans:
+                    ax.barh("rollout", end - start, left=start - t0, color="tab:green",
+                            label=None if "generate" in seen else "generate")
+                    seen.add("generate")
+        for m in records:  # step boundaries
+            ax.axvline(min(s[1] for s in m["trace/controller"]) - t0, color="black", linewidth=0.6)
+        ax.set_title(f"{name}: steps {records[0]['step']}..{records[-1]['step']}", fontsize=10)
+        ax.set_xlabel("seconds")
+        ax.legend(loc="upper right", fontsize=7, ncol=4)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="configs/grpo_smollm2.yaml")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--out", type=Path, default=Path("bench-async"))
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args()
+    from hpcrl.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    workers = cfg.trainer.nnodes * cfg.trainer.workers_per_node
+    if workers < 2:
+        p.error(f"{args.config}: {workers} worker(s); the split placement needs at least 2")
+    split = [f"trainer.rollout_workers={workers // 2}"]
+    results: dict[str, list[dict]] = {name: [] for name in PLACEMENTS}
+    for k in range(args.rounds):
+        for name, extra in PLACEMENTS.items():
+            r = run_once(args.config, args.steps, [*args.overrides, *extra, *(split if extra else [])])
+            results[name].append(r)
+            phases = ", ".join(f"{ph} {v:.1f}" for ph, v in r["phases"].items() if v >= 0.05)
+            print(f"[bench_async] round {k + 1} {name}: step {r['step_s']:.1f} s ({phases}); "
+                  f"load {r['load_before']:.2f} -> {r['load_after']:.2f}, steal {r['steal_s']:.1f} s, "
+                  f"rewards {r['reward']}", flush=True)
+    step = {name: statistics.median(r["step_s"] for r in rs) for name, rs in results.items()}
+    print(f"\n{workers} workers ({args.config}); median steady step over {args.rounds} round(s), "
+          f"steps 2..{args.steps}:")
+    for name, s in step.items():
+        print(f"  {name:<20} {s:6.1f} s/step  {1 / s:.4f} steps/s  "
+              f"{step['colocated'] / s:.2f}x colocated  {step['split sync'] / s:.2f}x split sync")
+    args.out.mkdir(parents=True, exist_ok=True)
+    draw({name: rs[-1]["records"][1:] for name, rs in results.items()}, args.out / "timeline.png")
+    print(f"timeline: {args.out / 'timeline.png'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
