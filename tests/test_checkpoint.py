@@ -649,3 +649,28 @@ def test_a_crafted_pickle_in_a_checkpoint_is_refused(tmp_path: Path) -> None:
     # what hpcrl saves loads
     torch.save({"world_size": 2, "state": {"torch": torch.get_rng_state(), "python": (3, (1, 2), None)}}, evil)
     assert read_rng_file(evil)["world_size"] == 2
+
+
+def test_a_crafted_queue_of_batches_generated_ahead_is_refused(tmp_path: Path) -> None:
+    """The controller's file of a one-step-off checkpoint (hpcrl.trainer.ahead) loads tensors and plain
+    containers only; a pickle that runs code is refused and runs nothing."""
+    from hpcrl.controller.batch import Batch
+    from hpcrl.trainer.ahead import QUEUE_FILE, Generated, RolloutsAhead
+
+    marker = tmp_path / "pwned"
+    torch.save([{"step": 3, "tensors": _RunsCode(marker)}], tmp_path / QUEUE_FILE)
+    with pytest.raises(CheckpointError, match=f"{QUEUE_FILE}: refused to load"):
+        RolloutsAhead(1).load(tmp_path)
+    assert not marker.exists()
+    # what hpcrl saves loads back the same
+    ahead = RolloutsAhead(1)
+    ahead.queue.append(Generated(4, [7, 9], Batch({"input_ids": torch.arange(6).view(2, 3)}), torch.tensor([0.5, 1.0]),
+                                 {"reward/acc": 0.5}, 2))
+    (record,) = ahead.save(tmp_path)
+    assert record["path"] == QUEUE_FILE and record["size"] == (tmp_path / QUEUE_FILE).stat().st_size
+    again = RolloutsAhead(1)
+    again.load(tmp_path)
+    (g,) = again.queue
+    assert (g.step, g.indices, g.version, g.metrics) == (4, [7, 9], 2, {"reward/acc": 0.5})
+    assert torch.equal(g.batch["input_ids"], torch.arange(6).view(2, 3))
+    assert torch.equal(g.scores, ahead.queue[0].scores)

@@ -42,7 +42,7 @@ class Generated:
     batch: Batch
     scores: torch.Tensor
     metrics: dict[str, float]
-    version: int  # optimizer steps behind the weights that generated it
+    version: int  # the loop step whose weights generated it (0: the model file's)
 
     def as_dict(self) -> dict[str, Any]:
         return {"step": self.step, "indices": self.indices, "tensors": {k: self.batch[k] for k in self.batch.keys()},
@@ -88,6 +88,19 @@ class RolloutsAhead:
         return [file_record(path, folder)]
 
     def load(self, folder: Path) -> None:
+        """The queue of a checkpoint folder (empty when it has none: a synchronous run's). Tensors and
+        plain containers only: a pickle that holds code is refused, as for the RNG files."""
+        import pickle
+
+        from hpcrl.checkpoint.store import CheckpointError
+
         path = folder / QUEUE_FILE
-        self.queue = deque(Generated.from_dict(d) for d in torch.load(path, weights_only=False)) \
-            if path.is_file() else deque()
+        if not path.is_file():
+            self.queue = deque()
+            return
+        try:
+            saved = torch.load(path, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise CheckpointError(f"{path}: refused to load, it holds more than tensors and plain containers: "
+                                  f"{e}") from None
+        self.queue = deque(Generated.from_dict(d) for d in saved)
