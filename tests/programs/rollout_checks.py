@@ -64,6 +64,23 @@ class ShmActorRollout(ActorRolloutRole):
     def pid(self) -> int:
         return os.getpid()
 
+    def fill_released_kv_cache_with_nan(self) -> int:
+        """Give the KV cache that `sleep` freed its memory back now, every byte 0xFF (NaN in any
+        float dtype): what a recycled heap allocation may hold when `wake_up` takes it back (the
+        trainer's freed tensors, -inf masks among them). `wake_up` then keeps this memory, as a
+        resize to the same size does. The bytes filled on this rank."""
+
+        def fill(worker: Any) -> int:
+            filled = 0
+            for t, n in worker.model_runner.__dict__["_hpcrl_released"]["kv_cache"]:
+                storage = t.untyped_storage()
+                storage.resize_(n)
+                torch.empty(0, dtype=torch.uint8).set_(storage).fill_(255)
+                filled += n
+            return filled
+
+        return self.rollout.llm.collective_rpc(fill)[0]
+
 
 def group_segments(group: Any) -> list[str]:
     """The /dev/shm segments any worker of the group maps."""
@@ -140,6 +157,7 @@ def sync_scenario(model: str, tp: int, pp: int, rollout_tp: int, lr: float, n_se
     out["actor_change"] = masked_max(actor2, actor, mask)
     out["gap_stale"] = masked_max(rollout_logprobs(group, batch), actor2, mask)
     out["enter_training"] = group.enter_training()
+    out["kv_cache_nan_filled_bytes"] = group.fill_released_kv_cache_with_nan()
     out["reshard_2"] = group.enter_rollout(bucket_mb)  # the phase switch an RL step makes
     out["gap_after_reshard_2"] = masked_max(rollout_logprobs(group, batch), actor2, mask)
     lap("rest")

@@ -11,9 +11,12 @@ level 1 keeps a host copy; here there is no cheaper place to keep one), and the 
   vLLM keeps instead of the weight itself) is replaced by a guard that refuses to run, which frees
   the packed copy; the reload installs a new one;
 - parameters that vLLM keeps as plain tensors (embeddings, norms, biases) and the KV cache
-  tensors get their storage resized to zero bytes; `wake` gives the same tensors their size back
-  (contents undefined: the reload overwrites the parameters, and vLLM writes a KV block before it
-  reads it; the prefix cache is reset after every reload).
+  tensors get their storage resized to zero bytes; `wake` gives the same tensors their size back.
+  The parameters' new memory holds whatever the heap hands back (the reload overwrites all of
+  it); the KV cache's is zeroed, as vLLM allocates it: vLLM's CPU attention reads the unwritten
+  slots of a partly filled block and masks them out, which a NaN or inf left there by freed
+  trainer tensors turns into NaN log-probs (seen once in CI; tests/test_rollout.py now fills
+  the freed cache with NaN before every wake). The prefix cache is reset after every reload.
 
 `wake(["weights"])` must be followed by a weight load before the next generate; a forward without
 one fails with an error naming this instead of computing with freed memory. The functions run
@@ -76,6 +79,9 @@ def wake(worker: Any, tags: list[str] | None = None) -> None:
     state = worker.model_runner.__dict__.get("_hpcrl_released", {})
     for tag in tags or ["weights", "kv_cache"]:
         for t, n in state.pop(tag, []):
-            t.untyped_storage().resize_(n)
+            storage = t.untyped_storage()
+            storage.resize_(n)
+            if tag == "kv_cache":
+                storage.fill_(0)
         if tag == "weights" and "hook" in state:
             state.pop("hook").remove()  # the layers' guards stay until the reload replaces them
