@@ -27,6 +27,7 @@ from hpcrl.config import (
 )
 from hpcrl.config.validate import is_split, max_staleness, read_hf_config, trainer_world_size
 from hpcrl.plan import add_plan_arguments, cluster_for_plan, memory_plan
+from hpcrl.plan.report import worker_span
 
 EXIT_CONFIG = 2
 
@@ -73,8 +74,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
              f"{cfg.trainer.workers_per_node}, plus 1 controller rank (MPI world of {w + 1})"]
     if is_split(cfg):
         t = trainer_world_size(cfg)
-        lines.append(f"placement   split: workers 1-{t} train, workers {t + 1}-{w} run the vLLM engines; generation "
-                     f"runs {max_staleness(cfg)} step(s) ahead of training (rollout.max_staleness)")
+        lines.append(f"placement   split: {worker_span(1, t)} train, {worker_span(t + 1, w)} run the vLLM engines; "
+                     f"generation runs {max_staleness(cfg)} step(s) ahead of training (rollout.max_staleness)")
     elif not is_dpo(cfg):
         lines.append("placement   colocated: every worker trains and runs a vLLM engine, taking turns "
                      "(trainer.placement=split gives the engines workers of their own)")

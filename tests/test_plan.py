@@ -7,14 +7,20 @@ Fast: no MPI, no torch; the subprocess tests run the `hpcrl` command (about a se
 from __future__ import annotations
 
 import json
+import re
 import struct
 
 import pytest
 from conftest import HPCRL, IN_CI, REPO, SMOLLM2, TINY_MODEL, run
 
 from hpcrl.config import load_config, validate
-from hpcrl.plan import RoleShapes, estimate, read_model_shape
-from hpcrl.plan.memory import CPU_PROCESS_OVERHEAD_BYTES, GIB, GPU_RUNTIME_RESERVE_BYTES
+from hpcrl.plan import RoleShapes, estimate, estimate_rollout_worker, read_model_shape
+from hpcrl.plan.memory import (
+    CPU_PROCESS_OVERHEAD_BYTES,
+    CPU_TRAINER_PROCESS_OVERHEAD_BYTES,
+    GIB,
+    GPU_RUNTIME_RESERVE_BYTES,
+)
 from hpcrl.plan.shape import megatron_shard_params, shape_from_hf_config, vllm_shard_params
 
 TINY = "configs/grpo_tiny.yaml"
@@ -286,3 +292,84 @@ def test_dpo_plans_no_rollout_engine() -> None:
     assert "algorithm   dpo (sigmoid loss" in r.stdout and "vLLM weights" not in r.stdout
     assert "KV cache" not in r.stdout and "reshard" not in r.stdout
     assert "peak        update actor" in r.stdout and "verdict     fits" in r.stdout
+
+
+def test_split_placement_plans_trainer_and_rollout_workers_apart() -> None:
+    """trainer.placement=split on grpo_tiny (workers 1-2 train at TP=2, workers 3-4 run an engine
+    each): a trainer worker holds no vLLM and sends the weights; a rollout worker holds vLLM alone
+    and receives them. Each term by hand."""
+    cfg = load_config(REPO / TINY, ["trainer.placement=split", "trainer.rollout_workers=2"])
+    validate(cfg, check_paths=False)
+    shapes = RoleShapes(policy=tiny_shape())
+    trainer = estimate(cfg, shapes, host_mem_bytes=3 << 30, host_mem_source="test")
+    rollout = estimate_rollout_worker(cfg, shapes, host_mem_bytes=3 << 30, host_mem_source="test")
+    assert (trainer.kind, rollout.kind) == ("trainer worker", "rollout worker")
+    t = {p.name: p.terms for p in trainer.phases}
+    assert list(t) == ["transfer", "forward", "update actor", "optimizer step"]
+    assert not any(label.startswith("vLLM") for terms in t.values() for label in terms)
+    assert t["update actor"]["actor weights (fp32)"] == 4 * 279424  # the TP=2 shard of the colocated test
+    # rank 0 holds a bucket's TP parts, their HF conversion and the flat copy it sends: 3 buckets of
+    # rollout.weight_bucket_mb = 16 MiB (larger than any conversion unit of the tiny model)
+    assert t["transfer"]["transfer bucket: TP parts, HF copy, send buffer"] == 3 * (16 << 20)
+    assert t["update actor"]["process: torch+megatron (measured)"] == CPU_TRAINER_PROCESS_OVERHEAD_BYTES
+    r = {p.name: p.terms for p in rollout.phases}
+    assert list(r) == ["rollout", "receive"]
+    assert not any(label.startswith("actor") for terms in r.values() for label in terms)
+    assert r["rollout"]["vLLM weights (rollout TP=1)"] == 4 * (TINY_PARAMS + 512 * 128)
+    assert r["receive"]["received bucket"] == 16 << 20
+    # the reload's largest rebuilt layer on CPU: embedding and LM head anew plus the LM head's packed
+    # copy, 3 x 512 x 128 x 4 bytes
+    assert r["receive"]["vLLM reload: the largest layer rebuilt"] == 3 * 512 * 128 * 4
+    assert r["rollout"]["process: torch+megatron+vLLM (measured)"] == CPU_PROCESS_OVERHEAD_BYTES
+    # capacity per worker: 3 GiB / 4 workers for both kinds
+    assert trainer.capacity_bytes == rollout.capacity_bytes == (3 << 30) // 4
+    assert trainer.fits and rollout.fits
+
+
+def test_split_kv_cache_is_sized_for_the_rollout_workers_only() -> None:
+    """The KV cache each engine gets is sized by the engines there are (the rollout workers), not by
+    all the workers: with one engine of two workers, the demo's validation batch of 64 prompts all
+    goes to it, twice the colocated share."""
+    if not SMOLLM2.exists():  # make test builds it: under CI=true its absence is a failure
+        (pytest.fail if IN_CI else pytest.skip)("models/smollm2-135m-instruct not built (make models)")
+    cfg = load_config(REPO / "configs" / "grpo_smollm2.yaml", ["trainer.placement=split", "trainer.rollout_workers=1"])
+    validate(cfg, check_paths=False)
+    est = estimate_rollout_worker(cfg, RoleShapes(policy=read_model_shape(SMOLLM2)))
+    assert est.kv.nbytes == int(1.25 * 64 * 320 * 30 * 2 * 3 * 64 * 4)
+    assert est.kv.samples_per_engine == 32 and est.kv.val_per_engine == 64
+
+
+def test_cli_split_prints_both_kinds_and_compares_each_with_its_ranks(tmp_path) -> None:
+    split = ["trainer.placement=split", "trainer.rollout_workers=2"]
+    r = run([HPCRL, "plan", TINY, *split])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "placement   split: workers 1-2 train, workers 3-4 run the vLLM engines" in r.stdout
+    trainer_part, rollout_part = r.stdout.split("trainer workers: workers 1-2")[1].split("rollout workers: workers 3-4")
+    assert "transfer" in trainer_part and "vLLM" not in trainer_part and "verdict     fits" in trainer_part
+    assert "receive" in rollout_part and "actor" not in rollout_part and "verdict     fits" in rollout_part
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for step in (1, 2, 3):
+            ranks = {1: 0.5, 2: 0.6, 3: 0.9, 4: 0.7}
+            f.write(json.dumps({"step": step, "memory/rss_gb_max": 0.9,
+                                **{f"memory/rank{k}/rss_gb": v for k, v in ranks.items()}}) + "\n")
+    r = run([HPCRL, "plan", TINY, *split, "--compare", str(tmp_path)])
+    assert r.returncode == 0, r.stdout + r.stderr
+    trainer_cmp, rollout_cmp = r.stdout.split("measured vs estimated")[1:]
+    assert "trainer workers: workers 1-2" in trainer_cmp and "step    2: measured 0.60 GB" in trainer_cmp
+    assert "rollout workers: workers 3-4" in rollout_cmp and "step    2: measured 0.90 GB" in rollout_cmp
+
+
+def test_cli_70b_split_gpu_plan() -> None:
+    """The 70B recipe with half its 256 GPUs generating: the trainer's 128 GPUs keep the colocated
+    update peak (it never held vLLM then) and send 2 buckets' worth from rank 0 (the flat copy is in
+    host memory); an engine's GPU holds vLLM alone, its share of 0.6 x 80 GiB plus the runtime."""
+    r = _plan("--gpu-mem", "80", overrides=("trainer.placement=split", "trainer.rollout_workers=128",
+                                            "actor.parallel.data_parallel=null", "critic.parallel.data_parallel=null"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    trainer_part, rollout_part = r.stdout.split("trainer workers: workers 1-128")[1].split(
+        "rollout workers: workers 129-256")
+    # the largest conversion unit, Llama-3-70B's embedding in bf16: 128256 x 8192 x 2 bytes = 1.96 GiB
+    assert re.search(r"transfer bucket: TP parts, HF copy +3\.91 ", trainer_part), trainer_part
+    assert "peak        update actor: 72.87 GiB" in trainer_part and "vLLM" not in trainer_part
+    assert "received bucket" not in rollout_part
+    assert "peak        rollout: 50.00 GiB" in rollout_part and "verdict     fits" in rollout_part

@@ -3,13 +3,14 @@
 - `shape.py`: a model's shape from its HF config.json, and the parameters each layout puts on one
   device (Megatron's TP x PP shard of a pipeline stage, vLLM's rollout-TP shard).
 - `memory.py`: the bytes of one worker (one GPU, or one CPU worker process) in each phase of a step
-  (rollout, reshard, forward, updates, optimizer step), term by term; no torch, no vLLM.
+  (rollout, reshard, forward, updates, optimizer step), term by term; with the split placement, of
+  a trainer worker and of a rollout worker apart; no torch, no vLLM.
 - `report.py`: what `hpcrl plan` prints after the layouts (table, peak, verdict, what to change),
   its options (--nodes, --gpus-per-node, --gpu-mem, --model-config, --compare) and exit statuses,
   and the comparison with the peaks a run measured (metrics.jsonl).
 """
 
-from hpcrl.plan.memory import Estimate, RoleShapes, estimate
+from hpcrl.plan.memory import Estimate, RoleShapes, estimate, estimate_rollout_worker
 from hpcrl.plan.report import (
     EXIT_DOES_NOT_FIT,
     EXIT_STATUS_HELP,
@@ -22,5 +23,6 @@ from hpcrl.plan.shape import ModelConfigError, ModelShape, read_model_shape
 
 __all__ = [
     "EXIT_DOES_NOT_FIT", "EXIT_STATUS_HELP", "Estimate", "ModelConfigError", "ModelShape", "RoleShapes",
-    "add_plan_arguments", "cluster_for_plan", "compare_with_run", "estimate", "memory_plan", "read_model_shape",
+    "add_plan_arguments", "cluster_for_plan", "compare_with_run", "estimate", "estimate_rollout_worker", "memory_plan",
+    "read_model_shape",
 ]

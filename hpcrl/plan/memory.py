@@ -11,6 +11,11 @@ A step goes through these phases on every worker (hpcrl.trainer.ppo, hpcrl.worke
   activations the backward needs;
 - optimizer step: the gradient all-reduce over DP and Adam's temporaries.
 
+With trainer.placement=split the two kinds of worker are planned apart: a trainer worker has the
+phases without vLLM, and a `transfer` phase where trainer rank 0 gathers, converts and sends each
+bucket (hpcrl.engines.transfer); a rollout worker (`estimate_rollout_worker`) has vLLM alone, in
+the rollout phase and while it receives the weights.
+
 Every term is in bytes for the worst pipeline stage (stage 0 holds the embedding and the most
 micro-batches in flight under 1F1B; the last stage holds the LM head and the logits). The formulas
 and their sources are in docs/planner.md; this module only does the arithmetic, it imports neither
@@ -25,8 +30,8 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from hpcrl.config import is_dpo, role_layouts, rollout_layout, world_size
-from hpcrl.config.validate import Layout
+from hpcrl.config import is_dpo, role_layouts, rollout_layout
+from hpcrl.config.validate import Layout, is_split, rollout_world_size
 from hpcrl.plan.shape import (
     ModelShape,
     largest_reshard_unit_params,
@@ -34,6 +39,7 @@ from hpcrl.plan.shape import (
     megatron_shard_params,
     vllm_kv_heads_per_rank,
     vllm_shard_params,
+    vllm_vocab_shard_params,
 )
 
 GIB = 1 << 30
@@ -44,6 +50,9 @@ GB = 10**9
 # 643 MB in two runs (VmRSS, on the 2-core CI machine; the larger; docs/planner.md says how to
 # measure it again).
 CPU_PROCESS_OVERHEAD_BYTES = 656_494_592
+# The same for a trainer worker of the split placement, which never imports vLLM: 478 MB and 496 MB
+# (VmRSS 478296 and 495724 kB, on the same machine on 2026-12-03; the larger)
+CPU_TRAINER_PROCESS_OVERHEAD_BYTES = 495_724 * 1024
 # Device memory that is neither a tensor of the model roles nor vLLM's budget: the CUDA context
 # with its kernels, cuBLAS workspaces, NCCL's buffers for the layout's communicators. An
 # assumption (docs/planner.md), not a measurement: no machine here has a GPU.
@@ -57,10 +66,12 @@ CPU_KV_BLOCK_TOKENS = 32
 VLLM_GPU_BATCH_DEFAULTS = {"large": (16384, 1024), "small": (8192, 256)}
 VLLM_CPU_BATCH_DEFAULTS = (4096, 256)  # times the rollout TP (world size of one engine)
 
-PHASES = ("rollout", "reshard", "forward", "update actor", "update critic", "optimizer step")
+PHASES = ("rollout", "reshard", "transfer", "receive", "forward", "update actor", "update critic", "optimizer step")
 PHASE_MEANING = {
     "rollout": "vLLM generates (and validates)",
     "reshard": "the actor's weights are pushed into vLLM",
+    "transfer": "trainer rank 0 gathers, converts and sends each bucket to the engines",
+    "receive": "the engine receives the weights bucket by bucket and reloads them",
     "forward": "old / reference log-probs and critic values",
     "update actor": "the actor's forward and backward",
     "update critic": "the critic's forward and backward",
@@ -119,6 +130,7 @@ class Estimate:
 
     device: str  # "gpu" or "cpu"
     dtype: str  # "bf16" or "fp32"
+    # "worker" (colocated: every worker), or the split placement's "trainer worker" / "rollout worker"
     stage: int
     pipeline_stages: int
     phases: list[Phase]
@@ -130,6 +142,7 @@ class Estimate:
     host_pinned_per_node: dict[str, int] = field(default_factory=dict)
     micro_batches_in_flight: int = 1
     micro_batch_tokens: int = 0
+    kind: str = "worker"
 
     @property
     def peak(self) -> Phase:
@@ -227,7 +240,7 @@ def cpu_kv_cache_bytes_default(cfg: DictConfig, shape: ModelShape, dtype_bytes: 
     (every sample one rollout replica generates in a step, or its share of a validation batch, at
     full length rounded up to 32-token blocks, plus a quarter; at least 1/16 GiB)."""
     r, d = cfg.rollout, cfg.data
-    replicas = max(world_size(cfg) // r.tensor_parallel, 1)
+    replicas = max(rollout_world_size(cfg) // r.tensor_parallel, 1)
     seqs = max(-(-d.train_batch_size * r.n // replicas), -(-d.val_batch_size // replicas))
     block = CPU_KV_BLOCK_TOKENS
     tokens = seqs * -(-(d.max_prompt_length + r.max_new_tokens) // block) * block
@@ -329,6 +342,7 @@ class _Run:
     offload: bool
     actor_forward: bool
     gpu_mem_bytes: int | None
+    with_vllm: bool = True  # False: a trainer worker of the split placement
 
     @property
     def gpu(self) -> bool:
@@ -338,6 +352,8 @@ class _Run:
     def runtime(self) -> tuple[str, int]:
         if self.gpu:
             return "CUDA context, NCCL, cuBLAS (assumed)", GPU_RUNTIME_RESERVE_BYTES
+        if not self.with_vllm:
+            return "process: torch+megatron (measured)", CPU_TRAINER_PROCESS_OVERHEAD_BYTES
         return "process: torch+megatron+vLLM (measured)", CPU_PROCESS_OVERHEAD_BYTES
 
     def tokens(self, role: str) -> int:
@@ -379,8 +395,9 @@ def lora_shard_params(shape: ModelShape, rank: int, targets: tuple[str, ...], tp
     return (shape.num_layers // pp) * sum(per_layer[t] for t in targets)
 
 
-def _stage_estimate(run: _Run, stage: int) -> tuple[list[Phase], int, list[str], dict[str, int]]:
-    """(phases, micro-batches in flight, problems, pinned host bytes per node) of one pipeline stage."""
+def _stage_estimate(run: _Run, stage: int, engines: bool = True) -> tuple[list[Phase], int, list[str], dict[str, int]]:
+    """(phases, micro-batches in flight, problems, pinned host bytes per node) of one pipeline stage;
+    engines=False: a trainer worker of the split placement (no vLLM beside the roles)."""
     cfg, shapes, policy = run.cfg, run.shapes, run.shapes.policy
     critic_shape = shapes.critic or policy
     actor_lay = run.layouts["actor"]
@@ -433,6 +450,20 @@ def _stage_estimate(run: _Run, stage: int) -> tuple[list[Phase], int, list[str],
     reshard.add("reshard bucket + converted copy", 2 * run.bucket)
     reshard.add(runtime_label, runtime_bytes)
     phases = [] if dpo else [rollout, reshard]
+    if not engines:
+        # trainer rank 0 (stage 0 of DP replica 0) holds a bucket's TP parts, their HF conversion and
+        # the flat host copy it broadcasts, one bucket at a time (hpcrl.engines.transfer); on GPU the
+        # flat copy is in host memory (the MPI bridge stages through it)
+        phases = []
+        if stage == 0:
+            transfer = Phase("transfer")
+            resident(transfer)
+            if run.gpu:
+                transfer.add("transfer bucket: TP parts, HF copy", 2 * run.bucket)
+            else:
+                transfer.add("transfer bucket: TP parts, HF copy, send buffer", 3 * run.bucket)
+            transfer.add(runtime_label, runtime_bytes)
+            phases.append(transfer)
 
     forwards = []  # the peak of each forward the step runs (one role at a time)
     if run.actor_forward or "reference" in run.layouts:
@@ -480,7 +511,7 @@ def _stage_estimate(run: _Run, stage: int) -> tuple[list[Phase], int, list[str],
 
     problems: list[str] = []
     pinned: dict[str, int] = {}
-    if run.gpu:
+    if run.gpu and engines:
         per_node = cfg.trainer.workers_per_node
         pinned = {} if dpo else {
             "actor trainer state while generating (actor.offload)": actor.resident * per_node if run.offload else 0,
@@ -500,10 +531,9 @@ def _stage_estimate(run: _Run, stage: int) -> tuple[list[Phase], int, list[str],
     return phases, in_flight, problems, pinned
 
 
-def estimate(cfg: DictConfig, shapes: RoleShapes, gpu_mem_bytes: int | None = None,
-             host_mem_bytes: int | None = None, host_mem_source: str = "") -> Estimate:
-    """The memory plan of one worker of a validated config. gpu_mem_bytes: memory of one GPU (a GPU
-    plan); host_mem_bytes: memory of one node (a CPU plan; without it there is no verdict)."""
+def _prepare(cfg: DictConfig, shapes: RoleShapes, gpu_mem_bytes: int | None) -> tuple[_Run, KvCache, list[str]]:
+    """What both kinds of worker share: the config's choices resolved, vLLM's KV cache, and the
+    problems of the rollout engine."""
     device = plan_device(cfg, gpu_asked=gpu_mem_bytes is not None)
     gpu = device == "gpu"
     if gpu and gpu_mem_bytes is None:
@@ -561,34 +591,95 @@ def estimate(cfg: DictConfig, shapes: RoleShapes, gpu_mem_bytes: int | None = No
                # the reshard moves whole conversion units up to rollout.weight_bucket_mb, received as one
                # flat buffer and converted into a second copy (hpcrl.engines.reshard)
                bucket=max(int(cfg.rollout.weight_bucket_mb) << 20, largest_reshard_unit_params(policy) * dtype_bytes),
-               offload=gpu and bool(cfg.actor.offload),
+               # the split placement's trainer never gives the device away: nothing to offload for
+               offload=gpu and bool(cfg.actor.offload) and not is_split(cfg),
                actor_forward=cfg.actor.old_logprob == "recompute" or (cfg.actor.old_logprob == "auto"
                                                                       and not on_policy),
                gpu_mem_bytes=gpu_mem_bytes)
+    return run, kv, problems
+
+
+def _set_capacity(est: Estimate, cfg: DictConfig, gpu_mem_bytes: int | None, host_mem_bytes: int | None,
+                  host_mem_source: str) -> None:
+    if est.device == "gpu":
+        est.capacity_bytes = gpu_mem_bytes
+        est.capacity_source = f"{gpu_mem_bytes / GIB:g} GiB per GPU"
+    elif host_mem_bytes is not None:
+        est.capacity_bytes = host_mem_bytes // cfg.trainer.workers_per_node
+        est.capacity_source = (f"{host_mem_source}: {host_mem_bytes / GB:.2f} GB per node / "
+                               f"{cfg.trainer.workers_per_node} workers")
+
+
+def estimate(cfg: DictConfig, shapes: RoleShapes, gpu_mem_bytes: int | None = None,
+             host_mem_bytes: int | None = None, host_mem_source: str = "") -> Estimate:
+    """The memory plan of one worker of a validated config; with trainer.placement=split, of one
+    trainer worker (`estimate_rollout_worker` plans the others). gpu_mem_bytes: memory of one GPU (a
+    GPU plan); host_mem_bytes: memory of one node (a CPU plan; without it there is no verdict)."""
+    run, kv, problems = _prepare(cfg, shapes, gpu_mem_bytes)
+    split = is_split(cfg)
+    if split:
+        problems = []  # the engine's problems are the rollout worker's
+        run.with_vllm = False
     pp = run.layouts["actor"].pp
     best: Estimate | None = None
     for stage in sorted({0, pp - 1}):
-        phases, in_flight, stage_problems, pinned = _stage_estimate(run, stage)
+        phases, in_flight, stage_problems, pinned = _stage_estimate(run, stage, engines=not split)
         problems += [p for p in stage_problems if p not in problems]  # a check failing on any stage counts
-        est = Estimate(device=device, dtype=dtype, stage=stage, pipeline_stages=pp, phases=phases, kv=kv,
+        est = Estimate(device=run.device, dtype=run.dtype, stage=stage, pipeline_stages=pp, phases=phases, kv=kv,
                        capacity_bytes=None, capacity_source="", host_pinned_per_node=pinned,
-                       micro_batches_in_flight=in_flight, micro_batch_tokens=run.tokens("actor"))
+                       micro_batches_in_flight=in_flight, micro_batch_tokens=run.tokens("actor"),
+                       kind="trainer worker" if split else "worker")
         if best is None or est.peak.total > best.peak.total:
             best = est
     assert best is not None
     best.problems = problems
-    if gpu:
-        best.capacity_bytes = gpu_mem_bytes
-        best.capacity_source = f"{gpu_mem_bytes / GIB:g} GiB per GPU"
-        if not run.offload:
-            best.notes.append("actor.offload=false: the plan keeps the actor's trainer state on the GPU while vLLM "
-                              "generates (the code today offloads it on every GPU run: "
-                              "hpcrl.workers.actor_rollout enter_rollout)")
-    elif host_mem_bytes is not None:
-        best.capacity_bytes = host_mem_bytes // cfg.trainer.workers_per_node
-        best.capacity_source = (f"{host_mem_source}: {host_mem_bytes / GB:.2f} GB per node / "
-                                f"{cfg.trainer.workers_per_node} workers")
+    _set_capacity(best, cfg, gpu_mem_bytes, host_mem_bytes, host_mem_source)
+    if run.gpu and not run.offload and not split:
+        best.notes.append("actor.offload=false: the plan keeps the actor's trainer state on the GPU while vLLM "
+                          "generates (the code today offloads it on every GPU run: "
+                          "hpcrl.workers.actor_rollout enter_rollout)")
     return best
+
+
+def estimate_rollout_worker(cfg: DictConfig, shapes: RoleShapes, gpu_mem_bytes: int | None = None,
+                            host_mem_bytes: int | None = None, host_mem_source: str = "") -> Estimate:
+    """The memory plan of a rollout worker of the split placement (trainer.placement=split): its
+    vLLM engine alone, which never sleeps (hpcrl.workers.split), while it generates and while it
+    receives the weights (one flat bucket at a time beside the engine: hpcrl.engines.transfer)."""
+    if not is_split(cfg):
+        raise ValueError("estimate_rollout_worker: trainer.placement is not split (every worker is planned by "
+                         "estimate)")
+    run, kv, problems = _prepare(cfg, shapes, gpu_mem_bytes)
+    runtime_label, runtime_bytes = run.runtime
+    vllm_label = f"vLLM weights (rollout TP={rollout_layout(cfg).tp})"
+    rollout = Phase("rollout")
+    rollout.add(vllm_label, run.vllm_weights)
+    rollout.add("vLLM KV cache", max(run.kv_nbytes, 0))
+    rollout.add("vLLM activation reserve", run.vllm_reserve)
+    rollout.add(runtime_label, runtime_bytes)
+    receive = Phase("receive")
+    receive.add(vllm_label, run.vllm_weights)
+    receive.add("vLLM KV cache", max(run.kv_nbytes, 0))
+    if not run.gpu:  # on GPU the MPI bridge receives into host memory; the reload copies tensor by tensor
+        receive.add("received bucket", run.bucket)
+    # vLLM's reload rebuilds each layer before it frees the old one; the largest is the vocabulary:
+    # on CPU the embedding and the LM head anew, and the LM head's packed kernel copy (3 x 0.11 GB
+    # on SmolLM2-135M; 0.33 GB measured above the engine's resident set, docs/planner.md), on GPU
+    # one new tensor (assumed)
+    vocab_bytes = vllm_vocab_shard_params(run.shapes.policy, rollout_layout(cfg).tp) * run.dtype_bytes
+    receive.add("vLLM reload: the largest layer rebuilt", (1 if run.gpu else 3) * vocab_bytes)
+    receive.add(runtime_label, runtime_bytes)
+    kwargs = cfg.rollout.engine_kwargs or {}
+    util = float(kwargs.get("gpu_memory_utilization", cfg.rollout.gpu_memory_utilization))
+    if run.gpu and not kwargs.get("kv_cache_memory_bytes") and gpu_mem_bytes - runtime_bytes < util * gpu_mem_bytes:
+        # vLLM checks at start-up that its whole share is free (vllm.v1.worker.utils.request_memory)
+        problems.append(f"vLLM start-up: {(gpu_mem_bytes - runtime_bytes) / GIB:.2f} GiB free beside the runtime < "
+                        f"rollout.gpu_memory_utilization x GPU = {util * gpu_mem_bytes / GIB:.2f} GiB: vLLM refuses "
+                        "to start")
+    est = Estimate(device=run.device, dtype=run.dtype, stage=0, pipeline_stages=1, phases=[rollout, receive], kv=kv,
+                   capacity_bytes=None, capacity_source="", problems=problems, kind="rollout worker")
+    _set_capacity(est, cfg, gpu_mem_bytes, host_mem_bytes, host_mem_source)
+    return est
 
 
 def _largest_tensor_params(shape: ModelShape, tp: int) -> int:

@@ -13,6 +13,7 @@ import argparse
 import math
 import re
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,21 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from hpcrl.config import ConfigError, critic_enabled, reference_enabled, validate, world_size
-from hpcrl.plan.memory import GB, GIB, PHASE_MEANING, Estimate, RoleShapes, estimate, plan_device
+from hpcrl.config.validate import is_split, trainer_world_size
+from hpcrl.plan.memory import (
+    GB,
+    GIB,
+    PHASE_MEANING,
+    Estimate,
+    RoleShapes,
+    estimate,
+    estimate_rollout_worker,
+    plan_device,
+)
 from hpcrl.plan.shape import ModelConfigError, ModelShape, read_model_shape
+
+# estimate or estimate_rollout_worker: (cfg, shapes, gpu_mem_bytes, host_mem_bytes, host_mem_source)
+Planner = Callable[..., Estimate]
 
 EXIT_FITS = 0
 EXIT_NO_METRICS = 1
@@ -31,8 +45,9 @@ EXIT_DOES_NOT_FIT = 3
 EXIT_STATUS_HELP = ("exit status: 0 fits (or no memory verdict could be made, said in the output), 2 invalid config "
                     "or arguments, 3 does not fit (memory, or the layout cannot be placed on --nodes x "
                     "--gpus-per-node), 1 --compare found no memory/rss_gb_max in the run directory")
-COLUMN = {"rollout": "rollout", "reshard": "reshard", "forward": "forward", "update actor": "upd actor",
-          "update critic": "upd critic", "optimizer step": "opt step"}
+COLUMN = {"rollout": "rollout", "reshard": "reshard", "transfer": "transfer", "receive": "receive",
+          "forward": "forward", "update actor": "upd actor", "update critic": "upd critic",
+          "optimizer step": "opt step"}
 
 
 # -- arguments ------------------------------------------------------------------------------------
@@ -212,8 +227,8 @@ def host_memory(cfg: DictConfig) -> tuple[int | None, str]:
 
 
 # -- the table ------------------------------------------------------------------------------------
-ROW_GROUPS = ("actor ", "critic ", "reference ", "reward model ", "vLLM ", "reshard ", "activations ", "working ",
-              "logits ", "grad ")
+ROW_GROUPS = ("actor ", "critic ", "reference ", "reward model ", "vLLM ", "reshard ", "transfer ", "received ",
+              "activations ", "working ", "logits ", "grad ")
 
 
 def _row_rank(label: str) -> int:
@@ -228,7 +243,7 @@ def _cell(nbytes: int | None, unit: int) -> str:
 
 def format_estimate(est: Estimate) -> list[str]:
     """The table (rows: terms, columns: phases) with totals, the peak, the KV cache and notes."""
-    unit, unit_name = (GIB, "GiB per GPU") if est.device == "gpu" else (GB, "GB per worker process")
+    unit, unit_name = (GIB, "GiB per GPU") if est.device == "gpu" else (GB, f"GB per {est.kind} process")
     short = _unit_name(est)
     where = f", pipeline stage {est.stage} of {est.pipeline_stages}" if est.pipeline_stages > 1 else ""
     labels: list[str] = []
@@ -299,8 +314,9 @@ def verdict_lines(est: Estimate, suggestions: list[str]) -> list[str]:
 
 # -- what to change -------------------------------------------------------------------------------
 def _try(cfg: DictConfig, changes: dict[str, Any], shapes: RoleShapes, gpu_mem: int | None,
-         host: tuple[int | None, str]) -> Estimate | None:
-    """The plan with some keys changed, or None when that config is not valid."""
+         host: tuple[int | None, str], planner: Planner = estimate) -> Estimate | None:
+    """The plan (of the worker kind `planner` plans) with some keys changed, or None when that config
+    is not valid."""
     cand = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     for key, value in changes.items():
         OmegaConf.update(cand, key, value, merge=False)
@@ -308,7 +324,7 @@ def _try(cfg: DictConfig, changes: dict[str, Any], shapes: RoleShapes, gpu_mem: 
         validate(cand, check_paths=False)
     except ConfigError:
         return None
-    return estimate(cand, shapes, gpu_mem, host[0], host[1])
+    return planner(cand, shapes, gpu_mem, host[0], host[1])
 
 
 def _yaml_value(value: Any) -> str:
@@ -357,7 +373,7 @@ def _token_ladder(start: int, floor: int) -> list[int]:
 
 
 def suggest(cfg: DictConfig, est: Estimate, shapes: RoleShapes, gpu_mem: int | None,
-            host: tuple[int | None, str]) -> list[str]:
+            host: tuple[int | None, str], planner: Planner = estimate) -> list[str]:
     """Changes that make the plan fit, found by planning again: the first of each kind that fits
     alone (a larger TP x PP, smaller micro-batches, actor.offload, a smaller vLLM share or KV cache,
     shorter completions); when none does alone, the smallest combination of layout and micro-batch
@@ -367,14 +383,14 @@ def suggest(cfg: DictConfig, est: Estimate, shapes: RoleShapes, gpu_mem: int | N
     def attempt(changes: dict[str, Any]) -> Estimate | None:
         if any(changes == c for c, _ in tried):
             return next(r for c, r in tried if c == changes)
-        result = _try(cfg, changes, shapes, gpu_mem, host)
+        result = _try(cfg, changes, shapes, gpu_mem, host, planner)
         if result is not None:
             tried.append((changes, result))
         return result
 
     shape = shapes.policy
     tp, pp = cfg.actor.parallel.tensor_parallel, cfg.actor.parallel.pipeline_parallel
-    w = world_size(cfg)
+    w = trainer_world_size(cfg)
     # a larger TP x PP: weights, gradients and Adam states per GPU shrink with it
     layouts = [(tp, p) for p in range(pp + 1, shape.num_layers + 1)
                if shape.num_layers % p == 0 and w % (tp * p) == 0]
@@ -438,11 +454,17 @@ def suggest(cfg: DictConfig, est: Estimate, shapes: RoleShapes, gpu_mem: int | N
         "not help (per-GPU memory does not depend on DP: the optimizer is not distributed)"]
 
 
+def worker_span(first: int, last: int) -> str:
+    """"worker 3" or "workers 3-4"."""
+    return f"worker {first}" if first == last else f"workers {first}-{last}"
+
+
 # -- measured vs estimated ------------------------------------------------------------------------
-def compare_with_run(est: Estimate, run_dir: str | Path) -> list[str]:
+def compare_with_run(est: Estimate, run_dir: str | Path, ranks: Sequence[int] | None = None) -> list[str]:
     """The estimate next to what a run measured, step by step (metrics.jsonl: memory/rss_gb_max, the
-    largest peak resident set over the workers; on GPU also memory/cuda_reserved_gb_max). Raises
-    FileNotFoundError when the run has no such metrics."""
+    largest peak resident set over the workers; on GPU also memory/cuda_reserved_gb_max); with
+    `ranks` (the MPI ranks of one kind of worker) the largest of those ranks' memory/rank<R>/ values.
+    Raises FileNotFoundError when the run has no such metrics."""
     from hpcrl.trainer.metrics import read_metrics
 
     records = [r for r in read_metrics(run_dir) if "memory/rss_gb_max" in r]
@@ -452,10 +474,15 @@ def compare_with_run(est: Estimate, run_dir: str | Path) -> list[str]:
     key = "memory/cuda_reserved_gb_max" if gpu else "memory/rss_gb_max"
     estimate_gb = est.peak.total / GB
     in_gib = f" = {est.peak.total / GIB:.2f} GiB" if gpu else ""
-    lines = [f"measured vs estimated ({key}, GB = 1e9 bytes; estimate: peak phase {est.peak.name} "
+    over = "" if ranks is None else f", {est.kind}s: {worker_span(min(ranks), max(ranks))}"
+    lines = [f"measured vs estimated ({key}{over}, GB = 1e9 bytes; estimate: peak phase {est.peak.name} "
              f"{estimate_gb:.2f} GB{in_gib})"]
     ratios = []
     for r in records:
+        if ranks is not None:
+            per_rank = key.replace("memory/", "memory/rank{}/").removesuffix("_max")
+            values = [float(r[per_rank.format(k)]) for k in ranks if per_rank.format(k) in r]
+            r = {**r, key: max(values)} if values else {k: v for k, v in r.items() if k != key}
         if key not in r:
             continue
         measured = float(r[key])
@@ -555,7 +582,13 @@ def memory_plan(cfg: DictConfig, args: argparse.Namespace, change: ClusterChange
     shapes, model_lines, device = inputs.shapes, inputs.model_lines, inputs.device
     gpu_mem, gpu_mem_note, host = inputs.gpu_mem, inputs.gpu_mem_note, inputs.host
     est = estimate(cfg, shapes, gpu_mem, host[0], host[1])
-    w = world_size(cfg)
+    # the split placement's two kinds of worker, each planned with the MPI ranks it runs on
+    t, w = trainer_world_size(cfg), world_size(cfg)
+    kinds: list[tuple[Estimate, Planner, range | None]] = [(est, estimate, None)]
+    if is_split(cfg):
+        kinds = [(est, estimate, range(1, t + 1)),
+                 (estimate_rollout_worker(cfg, shapes, gpu_mem, host[0], host[1]), estimate_rollout_worker,
+                  range(t + 1, w + 1))]
     print()
     if device == "gpu":
         print(f"memory plan (docs/planner.md): {cfg.trainer.nnodes} node(s) x {cfg.trainer.workers_per_node} GPU(s) "
@@ -565,10 +598,6 @@ def memory_plan(cfg: DictConfig, args: argparse.Namespace, change: ClusterChange
               f"worker process(es) = {w} workers")
     for note in change.notes:
         print(f"note        {note}")
-    if cfg.trainer.placement == "split":
-        print("note        trainer.placement=split: the plan below is the colocated placement's; a trainer worker of "
-              "the split placement holds its phases without vLLM, a rollout worker vLLM alone (not planned "
-              "separately yet)")
     for line in model_lines:
         print(line)
     precision = (f"{est.dtype} weights" + ("; fp32 master weights and fp32 gradient buffers" if est.dtype == "bf16"
@@ -578,16 +607,22 @@ def memory_plan(cfg: DictConfig, args: argparse.Namespace, change: ClusterChange
             else "one at a time (no pipeline)")
     print(f"activations micro-batches of {est.micro_batch_tokens} tokens (actor), {kept}; no activation recompute "
           "(the schema has no key for it)")
-    for line in format_estimate(est):
-        print(line)
-    suggestions = suggest(cfg, est, shapes, gpu_mem, host) if est.fits is False else []
-    for line in verdict_lines(est, suggestions):
-        print(line)
-    status = EXIT_DOES_NOT_FIT if est.fits is False else EXIT_FITS
+    status = EXIT_FITS
+    for kind_est, planner, ranks in kinds:
+        if ranks is not None:
+            print(f"\n{kind_est.kind}s: {worker_span(ranks.start, ranks.stop - 1)} (MPI ranks; the controller is 0)")
+        for line in format_estimate(kind_est):
+            print(line)
+        suggestions = suggest(cfg, kind_est, shapes, gpu_mem, host, planner) if kind_est.fits is False else []
+        for line in verdict_lines(kind_est, suggestions):
+            print(line)
+        if kind_est.fits is False:
+            status = EXIT_DOES_NOT_FIT
     if getattr(args, "compare", None):
         try:
-            for line in compare_with_run(est, args.compare):
-                print(line)
+            for kind_est, _, ranks in kinds:
+                for line in compare_with_run(kind_est, args.compare, ranks):
+                    print(line)
         except FileNotFoundError as e:
             print(f"hpcrl plan: --compare: {e}", file=sys.stderr)
             return EXIT_NO_METRICS

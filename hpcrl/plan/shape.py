@@ -160,10 +160,15 @@ def vllm_shard_params(shape: ModelShape, rollout_tp: int, separate_lm_head: bool
     q_dim = shape.q_dim // rollout_tp
     bias = (q_dim + 2 * kv_dim) if shape.qkv_bias else 0
     per_layer = h * (q_dim + 2 * kv_dim) + q_dim * h + bias + 3 * h * shape.intermediate_size // rollout_tp + 2 * h
-    vocab = math.ceil(shape.vocab_size / VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
-    vocab_shard = math.ceil(vocab / rollout_tp) * h
     heads = 1 if shape.tie_word_embeddings and not separate_lm_head else 2
-    return shape.num_layers * per_layer + h + heads * vocab_shard
+    return shape.num_layers * per_layer + h + heads * vllm_vocab_shard_params(shape, rollout_tp)
+
+
+def vllm_vocab_shard_params(shape: ModelShape, rollout_tp: int) -> int:
+    """Parameters of one rollout rank's embedding (or LM head) shard: the vocabulary padded, then
+    split over the rollout TP."""
+    vocab = math.ceil(shape.vocab_size / VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+    return math.ceil(vocab / rollout_tp) * shape.hidden_size
 
 
 def largest_reshard_unit_params(shape: ModelShape) -> int:
