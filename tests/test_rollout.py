@@ -218,3 +218,18 @@ def test_stale_segments_are_the_unused_old_ones(tmp_path) -> None:
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_generation_spans_are_bounded_between_drains() -> None:
+    """A colocated run never drains its workers' generation spans (only the split placement's
+    controller does, every step): they keep the last MAX_GENERATION_SPANS instead of growing with
+    every generate call of a run of days."""
+    from hpcrl.workers.actor_rollout import MAX_GENERATION_SPANS, RolloutMethods
+
+    worker = RolloutMethods()
+    for i in range(3 * MAX_GENERATION_SPANS):
+        worker._spans().append([float(i), float(i) + 0.5])
+    spans = worker.generation_spans()
+    last = 3.0 * MAX_GENERATION_SPANS - 1
+    assert len(spans) == MAX_GENERATION_SPANS and spans[-1] == [last, last + 0.5]
+    assert worker.generation_spans() == []  # drained

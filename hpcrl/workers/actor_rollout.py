@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -73,6 +74,10 @@ def build_rollout_engine(cfg: dict[str, Any], model_path: str, arch: Any, dtype:
                          engine_kwargs=engine_kwargs)
 
 
+# generation spans a worker keeps between two `generation_spans` calls (a step makes a few)
+MAX_GENERATION_SPANS = 256
+
+
 class RolloutMethods:
     """What the controller calls on a worker's rollout engine (`self.rollout`), whether the engine
     shares the worker with the actor (ActorRolloutRole) or has it alone (hpcrl.workers.split)."""
@@ -93,16 +98,20 @@ class RolloutMethods:
         self._spans().append([round(start, 4), round(time.time(), 4)])
         return out if self.rollout.tp_rank == 0 else None
 
-    def _spans(self) -> list[list[float]]:
+    def _spans(self) -> deque[list[float]]:
+        # bounded: only the split placement's controller drains it every step; a colocated run
+        # never asks, and a run of days must not grow a list by every generate call
         if not hasattr(self, "_generation_spans"):
-            self._generation_spans: list[list[float]] = []
+            self._generation_spans: deque[list[float]] = deque(maxlen=MAX_GENERATION_SPANS)
         return self._generation_spans
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
     def generation_spans(self) -> list[list[float]]:
-        """[start, end] (unix time) of each `generate_shard` on this rank since the last call: when
-        the engine was busy, for timelines of generation running beside training."""
-        spans, self._generation_spans = self._spans(), []
+        """[start, end] (unix time) of each `generate_shard` on this rank since the last call (the
+        last MAX_GENERATION_SPANS of them): when the engine was busy, for timelines of generation
+        running beside training."""
+        spans = list(self._spans())
+        self._spans().clear()
         return spans
 
     @register(dispatch=Dispatch.PER_RANK, collect=Collect.ALL)
