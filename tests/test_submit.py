@@ -193,6 +193,12 @@ def test_submit_grpo_hetjob_completes(jobs: dict, env_registry: dict[str, str]) 
     assert _steps(run_dir) == [1, 2, 3], logs
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(m["time/transfer"] > 0 and "weights/sent_mb" in m for m in steps)
+    # each rank of the TP=2 engine received only the half of the model it keeps. By hand (tiny model,
+    # vLLM's cut): per layer q 64x128 + k, v 32x128 each + o 128x64 + q, k, v biases 64 + 32 + 32 +
+    # gate, up 256x128 each + down 128x256 + 2 norms of 128 = 123264; 2 layers + half the embedding
+    # 256x128 (the tied LM head is its alias) + the final norm 128 = 279424 fp32 parameters, of 558208
+    assert all(m["weights/received_mb_max"] == 4 * 279424 / 1e6 and m["weights/model_mb"] == 4 * 558208 / 1e6
+               for m in steps), [(m["weights/received_mb_max"], m["weights/model_mb"]) for m in steps]
     assert max(m["rollout_actor_logprob_gap_max"] for m in steps) < 1e-4, [m["rollout_actor_logprob_gap_max"]
                                                                              for m in steps]
     assert "--het-group=0,1,2" in Path(sub["stderr"]).read_text(errors="replace")

@@ -12,10 +12,13 @@ an MPI communicator of trainer rank 0 and every rollout rank (hpcrl.workers.spli
   most `bucket_bytes`). For each bucket, the TP parts of DP replica 0 go to trainer rank 0, which
   converts them to HF names and layouts; only one bucket is alive there at a time, so no rank ever
   holds the whole model beyond its own shard.
-- Rank 0 broadcasts the HF bucket over the bridge (one flat buffer per dtype, after a small header
-  of names and shapes). Each rollout rank receives every tensor once: with rollout TP 1 exactly its
-  engine's weights (the minimum). With rollout TP > 1 a rank also receives the parts its TP peers
-  keep, because vLLM's reload path takes whole HF tensors and slices its own part.
+- Rank 0 broadcasts a small header of names, shapes and TP slices over the bridge, then the HF
+  bucket, one flat buffer per dtype and rollout TP rank r, over the bridge of rank r (trainer rank 0
+  and every rollout rank of TP rank r: `tp_bridges`). A rollout rank receives only the part of each
+  tensor its engine keeps (`vllm_tp_slice`: vLLM's own cut of the q/k/v, gate/up, o/down
+  projections and the padded vocabulary), replicated tensors whole: its engine's weights once, the
+  minimum. vLLM's reload takes whole HF tensors and cuts its part itself, so the receiver places
+  each part into a tensor of the whole shape (allocated, never sent) just before vLLM reads it.
 - With LoRA the shard merges each adapted weight when it is read (`MergedShard`), as in the
   colocated reshard.
 - On GPUs the bridge is MPI, so a bucket is staged through host memory on both ends (NCCL between
@@ -35,6 +38,48 @@ from hpcrl.engines.megatron.convert import megatron_to_hf_partial
 from hpcrl.engines.megatron.engine import MegatronEngine
 from hpcrl.engines.reshard import ReshardStats, _Live, _owner, plan_buckets
 
+# vLLM pads the vocabulary of its embedding and LM head to a multiple of this before splitting it over
+# TP ranks (vllm.model_executor.layers.vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE)
+VLLM_VOCAB_PADDING = 64
+
+
+def vllm_tp_slice(name: str, shape: tuple[int, ...], arch: Any, tp_rank: int, tp_size: int
+                  ) -> tuple[int, int, int] | None:
+    """(dim, start, length) of an HF tensor that rank `tp_rank` of a vLLM engine of `tp_size` ranks
+    reads in its reload, as vLLM 0.32's loaders cut it (model_executor/layers/linear.py,
+    parameter.py, vocab_parallel_embedding.py); None: the whole tensor (replicated, an unknown name,
+    or a shape that does not split evenly)."""
+    if tp_size == 1 or not shape:
+        return None
+    leaf = name.rsplit(".", 2)[-2:]  # e.g. ["q_proj", "weight"]
+    module, kind = leaf[0], leaf[-1]
+    if module == "q_proj" or (module in ("gate_proj", "up_proj") and kind == "weight"):
+        size = shape[0] // tp_size
+        return (0, tp_rank * size, size) if shape[0] % tp_size == 0 else None
+    if module in ("k_proj", "v_proj"):
+        kv_heads, hd = arch.num_kv_heads, shape[0] // arch.num_kv_heads
+        per_rank = max(kv_heads // tp_size, 1)  # heads a rank keeps; replicated once tp > kv heads
+        replicas = max(tp_size // kv_heads, 1)
+        if kv_heads % tp_size and tp_size % kv_heads:
+            return None
+        return (0, (tp_rank // replicas) * per_rank * hd, per_rank * hd)
+    if module in ("o_proj", "down_proj") and kind == "weight" and len(shape) == 2:
+        size = shape[1] // tp_size
+        return (1, tp_rank * size, size) if shape[1] % tp_size == 0 else None
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        vocab = shape[0]
+        padded = -(-vocab // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+        if padded % tp_size:
+            return None
+        per_rank = padded // tp_size
+        start = min(tp_rank * per_rank, vocab)
+        return (0, start, min(start + per_rank, vocab) - start)
+    return None
+
+
+def _cut(t: torch.Tensor, cut: tuple[int, int, int] | None) -> torch.Tensor:
+    return t if cut is None else t.narrow(*cut)
+
 
 def _byte_view(t: torch.Tensor) -> Any:
     """A flat CPU tensor as the uint8 numpy array MPI reads or fills (bf16 has no numpy dtype)."""
@@ -43,9 +88,11 @@ def _byte_view(t: torch.Tensor) -> Any:
     return [t.view(torch.uint8).numpy(), MPI.BYTE]
 
 
-def send_to_rollout(engine: MegatronEngine, bridge: Any, bucket_bytes: int = 64 << 20) -> ReshardStats:
+def send_to_rollout(engine: MegatronEngine, bridge: Any, tp_bridges: list[Any], bucket_bytes: int = 64 << 20
+                    ) -> ReshardStats:
     """Send the trainer's current weights to the rollout ranks (collective over the trainer's
-    world; trainer rank 0 is also the root of the bridge broadcasts)."""
+    world; trainer rank 0 is also the root of the bridge broadcasts). tp_bridges[r]: trainer rank 0
+    and the rollout ranks of TP rank r (on trainer rank 0; its length is the rollout TP)."""
     stats = ReshardStats(bucket_bytes=bucket_bytes)
     dist.barrier()
     t0 = time.perf_counter()
@@ -89,14 +136,20 @@ def send_to_rollout(engine: MegatronEngine, bridge: Any, bucket_bytes: int = 64 
         by_dtype: dict[torch.dtype, list[str]] = {}
         for name, t in hf.items():
             by_dtype.setdefault(t.dtype, []).append(name)
-        groups = [(str(dtype).removeprefix("torch."), [(n, tuple(hf[n].shape)) for n in names])
+        rollout_tp = len(tp_bridges)
+        cuts = {n: [vllm_tp_slice(n, tuple(t.shape), engine.arch, r, rollout_tp) for r in range(rollout_tp)]
+                for n, t in hf.items()}
+        groups = [(str(dtype).removeprefix("torch."), [(n, tuple(hf[n].shape), cuts[n]) for n in names])
                   for dtype, names in sorted(by_dtype.items(), key=lambda kv: str(kv[0]))]
         bridge.bcast({"groups": groups, "aliases": aliases}, root=0)
         for _, names in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
-            flat = torch.cat([hf[n].detach().reshape(-1) for n in names]).cpu()
-            live.add(flat.numel() * flat.element_size())
-            bridge.Bcast(_byte_view(flat), root=0)
-            stats.bytes_sent_as_root += flat.numel() * flat.element_size()
+            for r, tp_bridge in enumerate(tp_bridges):
+                flat = torch.cat([_cut(hf[n].detach(), cuts[n][r]).reshape(-1) for n in names]).cpu()
+                live.add(flat.numel() * flat.element_size())
+                tp_bridge.Bcast(_byte_view(flat), root=0)
+                stats.bytes_sent_as_root += flat.numel() * flat.element_size()
+                live.drop(flat.numel() * flat.element_size())
+                del flat
         stats.buckets += 1
         stats.tensors_pushed += len(hf) + len(aliases)
         live.drop(live.now)
@@ -108,12 +161,22 @@ def send_to_rollout(engine: MegatronEngine, bridge: Any, bucket_bytes: int = 64 
     return stats
 
 
-def receive_from_trainer(rollout: Any, bridge: Any) -> ReshardStats:
+def receive_from_trainer(rollout: Any, bridge: Any, tp_bridge: Any) -> ReshardStats:
     """Receive the trainer's weights on a rollout rank and load them into its engine in place, one
-    bucket alive at a time (vLLM consumes the stream inside one reload)."""
+    bucket alive at a time (vLLM consumes the stream inside one reload). tp_bridge: trainer rank 0
+    and the rollout ranks of this rank's TP rank."""
     stats = ReshardStats()
     t0 = time.perf_counter()
     live = _Live()
+    r = rollout.tp_rank
+
+    def whole(part: torch.Tensor, shape: tuple[int, ...], cut: tuple[int, int, int] | None) -> torch.Tensor:
+        """The whole-shaped tensor vLLM's loader takes, holding this rank's part where vLLM reads it."""
+        if cut is None:
+            return part
+        t = torch.empty(shape, dtype=part.dtype)
+        t.narrow(*cut).copy_(part)
+        return t
 
     def stream() -> Iterator[tuple[str, torch.Tensor]]:
         while True:
@@ -121,26 +184,35 @@ def receive_from_trainer(rollout: Any, bridge: Any) -> ReshardStats:
             if header is None:
                 return
             stats.buckets += 1
-            received: dict[str, torch.Tensor] = {}
+            received: dict[str, tuple[torch.Tensor, tuple[int, ...], tuple[int, int, int] | None]] = {}
             for dtype_name, entries in header["groups"]:
-                sizes = [int(torch.Size(shape).numel()) for _, shape in entries]
-                flat = torch.empty(sum(sizes), dtype=getattr(torch, dtype_name))
+                dtype = getattr(torch, dtype_name)
+                part_shapes = []
+                for _, shape, cuts in entries:
+                    part = list(shape)
+                    if cuts[r] is not None:
+                        part[cuts[r][0]] = cuts[r][2]
+                    part_shapes.append(tuple(part))
+                    stats.model_bytes += int(torch.Size(shape).numel()) * dtype.itemsize
+                sizes = [int(torch.Size(p).numel()) for p in part_shapes]
+                flat = torch.empty(sum(sizes), dtype=dtype)
                 nbytes = flat.numel() * flat.element_size()
                 live.add(nbytes)
-                bridge.Bcast(_byte_view(flat), root=0)
+                tp_bridge.Bcast(_byte_view(flat), root=0)
                 stats.bytes_received += nbytes
-                for (name, shape), v in zip(entries, flat.split(sizes), strict=True):
-                    received[name] = v.view(shape)
+                for (name, shape, cuts), part_shape, v in zip(entries, part_shapes, flat.split(sizes), strict=True):
+                    received[name] = (v.view(part_shape), shape, cuts[r])
             for alias, name in header["aliases"]:
                 received[alias] = received[name]
             stats.tensors_pushed += len(received)
             for name in list(received):
-                yield name, received.pop(name)
+                yield name, whole(*received.pop(name))
             live.drop(live.now)
 
     rollout.load_weights(stream())
     stats.seconds = time.perf_counter() - t0
-    # what this rank's engine needs: every HF tensor once (vLLM slices its TP part from it)
-    stats.min_bytes_received = stats.model_bytes = stats.bytes_received
+    # what this rank's engine needs: its part of every HF tensor once (the tied LM head comes as the
+    # embedding's alias), which is what it received
+    stats.min_bytes_received = stats.bytes_received
     stats.peak_extra_bytes = live.peak
     return stats

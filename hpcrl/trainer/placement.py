@@ -67,6 +67,7 @@ class Split:
         self.rollout_ranks = list(range(workers - rollout + 1, workers + 1))
         # one torch.distributed world per side, and the bridge between them
         self.sides = WorkerGroup(SideWorld, init_kwargs={"trainer_workers": len(self.trainer_ranks),
+                                                         "rollout_tp": int(cfg["rollout"]["tensor_parallel"]),
                                                          "timeout_s": float(t["timeout_s"])}, name="placement")
         self.actor = WorkerGroup(SplitActorRole, ranks=self.trainer_ranks, init_kwargs={"cfg": cfg}, name="actor")
         # no vLLM engine seeds the trainer's processes here: their Python and NumPy generators must not
@@ -86,7 +87,8 @@ class Split:
         sent = sending.result()
         self.weights_step = step
         return {"weights/received_mb_max": max(r["bytes_received"] for r in received) / 1e6,
-                "weights/sent_mb": sent["bytes_sent_as_root"] / 1e6}
+                "weights/sent_mb": sent["bytes_sent_as_root"] / 1e6,
+                "weights/model_mb": received[0]["model_bytes"] / 1e6}
 
     def to_training(self) -> None:
         """Nothing to give back: the engines keep their own workers."""

@@ -9,8 +9,10 @@
 The runtime starts one torch.distributed world over all workers. `SideWorld`, built once on every
 worker before any role, replaces it with one world per side, and opens the bridge: an MPI
 communicator of trainer worker 0 and every rollout worker, over which the weights travel after
-each update (hpcrl.engines.transfer). Neither side ever waits for the other's collectives, so the
-controller can run generation on one side while the other trains (hpcrl.trainer.placement).
+each update (hpcrl.engines.transfer); with rollout TP > 1 also one bridge per rollout TP rank
+(trainer worker 0 and the rollout workers of that TP rank), which carry each rank its part only.
+Neither side ever waits for the other's collectives, so the controller can run generation on one
+side while the other trains (hpcrl.trainer.placement).
 """
 
 from __future__ import annotations
@@ -25,15 +27,18 @@ from hpcrl.workers.actor_rollout import RolloutMethods, build_rollout_engine
 from hpcrl.workers.megatron_roles import MegatronRole, resolve_dtype
 from hpcrl.workers.memory import peak_memory
 
-# this process's end of the bridge (None on trainer workers other than worker 0)
+# this process's end of the bridge (None on trainer workers other than worker 0), and of the bridges
+# per rollout TP rank: on worker 0 all of them (index r: worker 0 and the rollout workers of TP rank
+# r), on a rollout worker its own TP rank's only
 _bridge: Any = None
+_tp_bridges: dict[int, Any] = {}
 
 
 class SideWorld(Worker):
     """On every worker: leave the all-worker torch.distributed world for this side's own, and join
     the bridge if this worker is on it. Must be built before any other role."""
 
-    def __init__(self, trainer_workers: int, timeout_s: float = 300.0):
+    def __init__(self, trainer_workers: int, rollout_tp: int = 1, timeout_s: float = 300.0):
         global _bridge
         from mpi4py import MPI
 
@@ -46,6 +51,16 @@ class SideWorld(Worker):
         side_comm = world.workers.Split(0 if self.side == "trainer" else 1, w)
         on_bridge = w == 0 or self.side == "rollout"
         bridge = world.workers.Split(0 if on_bridge else MPI.UNDEFINED, w)
+        # vLLM's TP groups are consecutive rollout ranks: rollout worker j has TP rank j % rollout_tp
+        tp_rank = (w - trainer_workers) % rollout_tp if self.side == "rollout" else None
+        _tp_bridges.clear()
+        if rollout_tp == 1:
+            _tp_bridges.update({0: bridge} if on_bridge else {})
+        else:
+            for r in range(rollout_tp):
+                comm = world.workers.Split(0 if w == 0 or tp_rank == r else MPI.UNDEFINED, w)
+                if comm != MPI.COMM_NULL:
+                    _tp_bridges[r] = comm
         destroy_torch_distributed()
         init_torch_distributed(world, timeout_s=timeout_s, comm=side_comm)
         _bridge = bridge if on_bridge else None
@@ -66,7 +81,8 @@ class SplitActorRole(MegatronRole):
         """The trainer's current weights to every rollout worker (with RolloutRole.receive_weights,
         called on the other side at the same time); trainer rank 0's statistics."""
         mb = self.cfg["rollout"]["weight_bucket_mb"] if bucket_mb is None else bucket_mb
-        return send_to_rollout(self.engine, _bridge, int(mb * (1 << 20))).as_dict()
+        tp_bridges = [_tp_bridges[r] for r in sorted(_tp_bridges)] if _bridge is not None else []
+        return send_to_rollout(self.engine, _bridge, tp_bridges, int(mb * (1 << 20))).as_dict()
 
 
 class RolloutRole(RolloutMethods, Worker):
@@ -83,7 +99,7 @@ class RolloutRole(RolloutMethods, Worker):
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
     def receive_weights(self) -> dict[str, Any]:
         """Load the weights trainer rank 0 sends (SplitActorRole.send_weights); this rank's statistics."""
-        return receive_from_trainer(self.rollout, _bridge).as_dict()
+        return receive_from_trainer(self.rollout, _bridge, _tp_bridges[self.rollout.tp_rank]).as_dict()
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
     def peak_memory(self, reset: bool = True) -> dict[str, float]:
