@@ -1,8 +1,11 @@
 """Weights from the trainer's workers to rollout engines on other workers (split placement).
 
 The colocated reshard (hpcrl.engines.reshard) moves weights inside one torch.distributed world. With
-the split placement the trainer ranks and the rollout ranks are two worlds, joined by the *bridge*:
-an MPI communicator of trainer rank 0 and every rollout rank (hpcrl.workers.split builds it).
+the split placement the trainer ranks and the rollout ranks are two worlds, joined by bridges that
+hpcrl.workers.split builds: an MPI communicator of trainer rank 0 and every rollout rank, for small
+headers, and per rollout TP rank r a torch.distributed group of trainer rank 0 and the rollout ranks
+of TP rank r (`tp_bridges`: NCCL between GPUs, gloo on CPU, so CI runs the GPU's code path), for
+the weights.
 
     trainer ranks (Megatron TP x PP x DP)             rollout ranks (vLLM, rollout TP x DP)
     owners of a bucket's TP parts --send--> rank 0 --bridge broadcast--> every rollout rank
@@ -12,17 +15,17 @@ an MPI communicator of trainer rank 0 and every rollout rank (hpcrl.workers.spli
   most `bucket_bytes`). For each bucket, the TP parts of DP replica 0 go to trainer rank 0, which
   converts them to HF names and layouts; only one bucket is alive there at a time, so no rank ever
   holds the whole model beyond its own shard.
-- Rank 0 broadcasts a small header of names, shapes and TP slices over the bridge, then the HF
-  bucket, one flat buffer per dtype and rollout TP rank r, over the bridge of rank r (trainer rank 0
-  and every rollout rank of TP rank r: `tp_bridges`). A rollout rank receives only the part of each
+- Rank 0 broadcasts a small header of names, shapes and TP slices over the MPI bridge, then the HF
+  bucket, one flat buffer per dtype and rollout TP rank r, over the group of rank r, from device
+  memory to device memory. A rollout rank receives only the part of each
   tensor its engine keeps (`vllm_tp_slice`: vLLM's own cut of the q/k/v, gate/up, o/down
   projections and the padded vocabulary), replicated tensors whole: its engine's weights once, the
   minimum. vLLM's reload takes whole HF tensors and cuts its part itself, so the receiver places
   each part into a tensor of the whole shape (allocated, never sent) just before vLLM reads it.
 - With LoRA the shard merges each adapted weight when it is read (`MergedShard`), as in the
   colocated reshard.
-- On GPUs the bridge is MPI, so a bucket is staged through host memory on both ends (NCCL between
-  the two worlds is not built yet).
+- GPU: the buffers stay on the devices (NCCL). Untested here: no machine of this project's CI has a
+  GPU; the code path is gloo's on CPU with CUDA tensors instead of CPU ones.
 """
 
 from __future__ import annotations
@@ -81,13 +84,6 @@ def _cut(t: torch.Tensor, cut: tuple[int, int, int] | None) -> torch.Tensor:
     return t if cut is None else t.narrow(*cut)
 
 
-def _byte_view(t: torch.Tensor) -> Any:
-    """A flat CPU tensor as the uint8 numpy array MPI reads or fills (bf16 has no numpy dtype)."""
-    from mpi4py import MPI
-
-    return [t.view(torch.uint8).numpy(), MPI.BYTE]
-
-
 def send_to_rollout(engine: MegatronEngine, bridge: Any, tp_bridges: list[Any], bucket_bytes: int = 64 << 20
                     ) -> ReshardStats:
     """Send the trainer's current weights to the rollout ranks (collective over the trainer's
@@ -144,9 +140,9 @@ def send_to_rollout(engine: MegatronEngine, bridge: Any, tp_bridges: list[Any], 
         bridge.bcast({"groups": groups, "aliases": aliases}, root=0)
         for _, names in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
             for r, tp_bridge in enumerate(tp_bridges):
-                flat = torch.cat([_cut(hf[n].detach(), cuts[n][r]).reshape(-1) for n in names]).cpu()
+                flat = torch.cat([_cut(hf[n].detach(), cuts[n][r]).reshape(-1) for n in names])
                 live.add(flat.numel() * flat.element_size())
-                tp_bridge.Bcast(_byte_view(flat), root=0)
+                tp_bridge.broadcast(flat.view(torch.uint8), 0).wait()  # bytes: any dtype, any backend
                 stats.bytes_sent_as_root += flat.numel() * flat.element_size()
                 live.drop(flat.numel() * flat.element_size())
                 del flat
@@ -169,12 +165,13 @@ def receive_from_trainer(rollout: Any, bridge: Any, tp_bridge: Any) -> ReshardSt
     t0 = time.perf_counter()
     live = _Live()
     r = rollout.tp_rank
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     def whole(part: torch.Tensor, shape: tuple[int, ...], cut: tuple[int, int, int] | None) -> torch.Tensor:
         """The whole-shaped tensor vLLM's loader takes, holding this rank's part where vLLM reads it."""
         if cut is None:
             return part
-        t = torch.empty(shape, dtype=part.dtype)
+        t = torch.empty(shape, dtype=part.dtype, device=part.device)
         t.narrow(*cut).copy_(part)
         return t
 
@@ -195,10 +192,10 @@ def receive_from_trainer(rollout: Any, bridge: Any, tp_bridge: Any) -> ReshardSt
                     part_shapes.append(tuple(part))
                     stats.model_bytes += int(torch.Size(shape).numel()) * dtype.itemsize
                 sizes = [int(torch.Size(p).numel()) for p in part_shapes]
-                flat = torch.empty(sum(sizes), dtype=dtype)
+                flat = torch.empty(sum(sizes), dtype=dtype, device=device)
                 nbytes = flat.numel() * flat.element_size()
                 live.add(nbytes)
-                tp_bridge.Bcast(_byte_view(flat), root=0)
+                tp_bridge.broadcast(flat.view(torch.uint8), 0).wait()  # bytes: any dtype, any backend
                 stats.bytes_received += nbytes
                 for (name, shape, cuts), part_shape, v in zip(entries, part_shapes, flat.split(sizes), strict=True):
                     received[name] = (v.view(part_shape), shape, cuts[r])

@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+from typing import Any
 
 from mpi4py import MPI
 
@@ -88,6 +89,25 @@ def init_torch_distributed(
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     return backend
+
+
+def process_group_over(comm: MPI.Intracomm, world: World, timeout_s: float = 300.0) -> Any:
+    """A torch.distributed process group of the ranks of an MPI communicator, beside the default
+    world (which it neither needs nor joins): NCCL on GPU, gloo on CPU, rank = the rank in `comm`.
+    Its collectives are called on the object (`group.broadcast(tensor, root)`)."""
+    import torch
+    import torch.distributed as dist
+
+    rank, size = comm.Get_rank(), comm.Get_size()
+    hosts = comm.allgather(world.info(world.rank).host)
+    addr_port = (_routable_address(hosts[0], set(hosts)), _free_port()) if rank == 0 else None
+    addr, port = comm.bcast(addr_port, root=0)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(str(addr), int(port), size, rank == 0, timeout=timeout)
+    if default_backend() == "nccl":
+        torch.cuda.set_device(world.local_rank % torch.cuda.device_count())
+        return dist.ProcessGroupNCCL(store, rank, size)
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
 
 
 def destroy_torch_distributed() -> None:

@@ -452,16 +452,12 @@ def _stage_estimate(run: _Run, stage: int, engines: bool = True) -> tuple[list[P
     phases = [] if dpo else [rollout, reshard]
     if not engines:
         # trainer rank 0 (stage 0 of DP replica 0) holds a bucket's TP parts, their HF conversion and
-        # the flat host copy it broadcasts, one bucket at a time (hpcrl.engines.transfer); on GPU the
-        # flat copy is in host memory (the MPI bridge stages through it)
+        # the flat copy it broadcasts, one bucket at a time (hpcrl.engines.transfer)
         phases = []
         if stage == 0:
             transfer = Phase("transfer")
             resident(transfer)
-            if run.gpu:
-                transfer.add("transfer bucket: TP parts, HF copy", 2 * run.bucket)
-            else:
-                transfer.add("transfer bucket: TP parts, HF copy, send buffer", 3 * run.bucket)
+            transfer.add("transfer bucket: TP parts, HF copy, send buffer", 3 * run.bucket)
             transfer.add(runtime_label, runtime_bytes)
             phases.append(transfer)
 
@@ -660,8 +656,7 @@ def estimate_rollout_worker(cfg: DictConfig, shapes: RoleShapes, gpu_mem_bytes: 
     receive = Phase("receive")
     receive.add(vllm_label, run.vllm_weights)
     receive.add("vLLM KV cache", max(run.kv_nbytes, 0))
-    if not run.gpu:  # on GPU the MPI bridge receives into host memory; the reload copies tensor by tensor
-        receive.add("received bucket", run.bucket)
+    receive.add("received bucket", run.bucket)
     # vLLM's reload rebuilds each layer before it frees the old one; the largest is the vocabulary:
     # on CPU the embedding and the LM head anew, and the LM head's packed kernel copy (3 x 0.11 GB
     # on SmolLM2-135M; 0.33 GB measured above the engine's resident set, docs/planner.md), on GPU

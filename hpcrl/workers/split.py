@@ -42,7 +42,7 @@ class SideWorld(Worker):
         global _bridge
         from mpi4py import MPI
 
-        from hpcrl.launch.rendezvous import destroy_torch_distributed, init_torch_distributed
+        from hpcrl.launch.rendezvous import destroy_torch_distributed, init_torch_distributed, process_group_over
         from hpcrl.launch.world import current_world
 
         world = current_world()
@@ -53,17 +53,18 @@ class SideWorld(Worker):
         bridge = world.workers.Split(0 if on_bridge else MPI.UNDEFINED, w)
         # vLLM's TP groups are consecutive rollout ranks: rollout worker j has TP rank j % rollout_tp
         tp_rank = (w - trainer_workers) % rollout_tp if self.side == "rollout" else None
-        _tp_bridges.clear()
-        if rollout_tp == 1:
-            _tp_bridges.update({0: bridge} if on_bridge else {})
-        else:
-            for r in range(rollout_tp):
-                comm = world.workers.Split(0 if w == 0 or tp_rank == r else MPI.UNDEFINED, w)
-                if comm != MPI.COMM_NULL:
-                    _tp_bridges[r] = comm
         destroy_torch_distributed()
         init_torch_distributed(world, timeout_s=timeout_s, comm=side_comm)
         _bridge = bridge if on_bridge else None
+        # the weights travel over torch.distributed groups beside the two worlds (NCCL between the
+        # GPUs, gloo on CPU), one per rollout TP rank; the small headers over the MPI bridge
+        _tp_bridges.clear()
+        for r in range(rollout_tp):
+            member = on_bridge and (w == 0 or tp_rank == r)
+            comm = world.workers.Split(0 if member else MPI.UNDEFINED, w)
+            if member:
+                _tp_bridges[r] = process_group_over(comm, world, timeout_s)
+                comm.Free()
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
     def side_of(self) -> tuple[str, int, int]:
