@@ -17,15 +17,15 @@ the weights.
   holds the whole model beyond its own shard.
 - Rank 0 broadcasts a small header of names, shapes and TP slices over the MPI bridge, then the HF
   bucket, one flat buffer per dtype and rollout TP rank r, over the group of rank r, from device
-  memory to device memory. A rollout rank receives only the part of each
-  tensor its engine keeps (`vllm_tp_slice`: vLLM's own cut of the q/k/v, gate/up, o/down
-  projections and the padded vocabulary), replicated tensors whole: its engine's weights once, the
-  minimum. vLLM's reload takes whole HF tensors and cuts its part itself, so the receiver places
-  each part into a tensor of the whole shape (allocated, never sent) just before vLLM reads it.
+  memory to device memory. A rollout rank receives only the part of each tensor its engine keeps
+  (`vllm_tp_slice`: vLLM's own cut of the q/k/v, gate/up, o/down projections and the padded
+  vocabulary), replicated tensors whole: its engine's weights once, the minimum. vLLM's reload
+  takes whole HF tensors and cuts its part itself, so the receiver places each part into a tensor
+  of the whole shape (allocated, never sent) just before vLLM reads it.
 - With LoRA the shard merges each adapted weight when it is read (`MergedShard`), as in the
   colocated reshard.
-- GPU: the buffers stay on the devices (NCCL). Untested here: no machine of this project's CI has a
-  GPU; the code path is gloo's on CPU with CUDA tensors instead of CPU ones.
+- GPU: the buffers stay on the devices (NCCL). Not run here: no machine of this project's CI has a
+  GPU; CI runs the same code with gloo and CPU tensors.
 """
 
 from __future__ import annotations

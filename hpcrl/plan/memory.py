@@ -130,7 +130,6 @@ class Estimate:
 
     device: str  # "gpu" or "cpu"
     dtype: str  # "bf16" or "fp32"
-    # "worker" (colocated: every worker), or the split placement's "trainer worker" / "rollout worker"
     stage: int
     pipeline_stages: int
     phases: list[Phase]
@@ -142,6 +141,7 @@ class Estimate:
     host_pinned_per_node: dict[str, int] = field(default_factory=dict)
     micro_batches_in_flight: int = 1
     micro_batch_tokens: int = 0
+    # "worker" (colocated: every worker), or the split placement's "trainer worker" / "rollout worker"
     kind: str = "worker"
 
     @property
