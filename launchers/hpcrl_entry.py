@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import gc
 import importlib
 import importlib.util
 import os
@@ -34,7 +35,7 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NoReturn
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROGRAM_MODULE = "__hpcrl_program__"
@@ -168,8 +169,25 @@ def main(argv: list[str] | None = None) -> None:
             pass
     # rank 0, after the clean shutdown: the program's exit status (e.g. 3 when the trainer stopped
     # on non-finite steps), so that mpiexec / srun and Slurm see the run as failed
-    if isinstance(result, int) and not isinstance(result, bool) and result != 0:
-        sys.exit(result)
+    _leave(result if isinstance(result, int) and not isinstance(result, bool) else 0)
+
+
+def _leave(code: int) -> NoReturn:
+    """End a rank after its clean shutdown without the garbage collector's passes over every object.
+
+    Why: with torch, megatron-core and vLLM loaded, tearing the interpreter down took each rank
+    ~4 s, nearly all of it in the collections the interpreter runs while it clears the modules
+    (perf on a tiny-model worker: gc_collect_main and its visitors, 70% of the samples). Under
+    mpiexec the ranks leave one after another (hpcrl.launch.exit_order), so the 5 ranks of a tiny
+    run left over 11.6-13.6 s; frozen, over 2.3-2.6 s. `gc.freeze()` moves every object out of
+    the collector's reach: the teardown then frees what reference counting frees and leaves cycles
+    to the kernel, while everything else a normal exit does still happens in order (non-daemon
+    threads joined, exit handlers, the C libraries' exit handlers and destructors: MPICH's and
+    vLLM's shared memory is unlinked there; `os._exit` skipped those and left the segments in
+    /dev/shm).
+    """
+    gc.freeze()
+    sys.exit(code)
 
 
 if __name__ == "__main__":
