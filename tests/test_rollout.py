@@ -8,9 +8,11 @@ split in two) and a vLLM engine in every worker; rollout TP=1 (4 replicas) and T
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +22,9 @@ from hpcrl.launch import entry_argv, mpiexec_command
 from hpcrl.launch.shm import SHM_DIR, remove_stale_segments, segment_age_s, stale_segments
 
 SCENARIOS = ["tiny_tp1", "tiny_tp2", "smollm2_tp1"]
+# + LoRA adapters at TP=1 PP=1 (DP=4): every rank holds the whole model, so nothing travels; each
+# merges its own adapters into what it pushes
+LORA_SCENARIO = "tiny_lora_tp1"
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +52,7 @@ def checks(tmp_path_factory: pytest.TempPathFactory, killed_world: dict) -> dict
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("scenario", [*SCENARIOS, LORA_SCENARIO])
 def test_vllm_logprobs_match_actor_after_each_reshard(checks: dict, scenario: str) -> None:
     s = checks[scenario]
     assert s["gap_after_reshard_1"] < 1e-4, s
@@ -75,6 +80,7 @@ def test_layouts_are_independent(checks: dict) -> None:
     assert checks["tiny_tp1"]["rollout_coords"] == [[0, 0], [1, 0], [2, 0], [3, 0]]
     assert checks["tiny_tp2"]["rollout_coords"] == [[0, 0], [0, 1], [1, 0], [1, 1]]
     assert checks["smollm2_tp1"]["layout"] == {"tp": 1, "pp": 2, "dp": 2}
+    assert checks[LORA_SCENARIO]["layout"] == {"tp": 1, "pp": 1, "dp": 4}
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
@@ -233,3 +239,22 @@ def test_generation_spans_are_bounded_between_drains() -> None:
     last = 3.0 * MAX_GENERATION_SPANS - 1
     assert len(spans) == MAX_GENERATION_SPANS and spans[-1] == [last, last + 0.5]
     assert worker.generation_spans() == []  # drained
+
+
+def _resident_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_woken_kv_cache_is_zero_without_becoming_resident() -> None:
+    """What vLLM's KV cache gets at every wake on CPU (hpcrl.engines.vllm.cpu_sleep.wake): zeros
+    where NaN bytes were (the unwritten slots of a block must be finite), and no page made resident
+    by it (a step writes only the blocks its sequences use; filling the cache made all of it resident)."""
+    from hpcrl.engines.vllm.cpu_sleep import zero_lazily
+
+    n = (64 << 20) // 4 + 3  # partial pages at both ends (glibc's large blocks start 16 bytes into a page)
+    cache = torch.full((n,), float("nan"))
+    before = _resident_bytes()
+    zero_lazily(cache.untyped_storage())
+    after = _resident_bytes()
+    assert before - after > 0.9 * 4 * n, (before, after)
+    assert int(torch.count_nonzero(cache)) == 0

@@ -66,6 +66,9 @@ def run_once(repo: Path, extra_env: dict[str, str], config: str, steps: int, ove
         "validate_s": steps_m[0].get("time/validate", float("nan")),
         "reward": [round(m["reward/mean"], 3) for m in steps_m],
         "rss_metric_gb": max((m.get("memory/rss_gb_max", float("nan")) for m in steps_m), default=float("nan")),
+        # each step's largest worker peak (the workers reset their peak every step; step 1 holds the
+        # first validation)
+        "rss_steps_gb": [round(m.get("memory/rss_gb_max", float("nan")), 2) for m in steps_m],
     }
 
 
@@ -96,7 +99,8 @@ def main() -> None:
             r = run_once(repo, env, args.config, args.steps, [*args.overrides, *sets])
             results[i].append(r)
             print(f"[bench_step] round {k + 1} {labels[i]}: step {r['step_s']:.1f} s, "
-                  f"validation {r['validate_s']:.1f} s, max RSS {r['max_rss_gb']:.2f} GB, "
+                  f"validation {r['validate_s']:.1f} s, max RSS {r['max_rss_gb']:.2f} GB "
+                  f"(per step {r['rss_steps_gb']}), "
                   f"CPU user {r['user_s']:.0f} s system {r['system_s']:.0f} s, "
                   f"minor faults {r['minor_faults'] / 1e6:.2f} M, "
                   f"load {r['load_before']:.2f} -> {r['load_after']:.2f}, "

@@ -87,7 +87,7 @@ def group_segments(group: Any) -> list[str]:
     return sorted({n for names in group.shm_segments() for n in names})
 
 
-def make_cfg(model: str, tp: int, pp: int, rollout_tp: int, lr: float) -> dict[str, Any]:
+def make_cfg(model: str, tp: int, pp: int, rollout_tp: int, lr: float, *extra: str) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
     from hpcrl.config import load_config
@@ -98,7 +98,7 @@ def make_cfg(model: str, tp: int, pp: int, rollout_tp: int, lr: float) -> dict[s
         "actor.ppo_mini_batch_size=8", f"rollout.tensor_parallel={rollout_tp}", "rollout.weight_bucket_mb=4",
         "rollout.max_new_tokens=24", "actor.offload=true",
         # room for the multi-turn checks' conversations (prompt + 64 tokens), not only prompt + 24
-        "rollout.engine_kwargs.max_model_len=256"])
+        "rollout.engine_kwargs.max_model_len=256", *extra])
     return OmegaConf.to_container(cfg, resolve=True)
 
 
@@ -120,16 +120,17 @@ def masked_max(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
 
 
 def sync_scenario(model: str, tp: int, pp: int, rollout_tp: int, lr: float, n_seqs: int,
-                  bucket_mb: float) -> dict[str, Any]:
-    """reshard -> compare -> optimizer step -> (stale gap) -> reshard -> compare."""
+                  bucket_mb: float, *extra: str) -> dict[str, Any]:
+    """reshard -> compare -> optimizer step -> (stale gap) -> reshard -> compare (`extra`: config overrides)."""
     from hpcrl.controller import WorkerGroup
     from hpcrl.workers.actor_rollout import rollout_logprobs
     from hpcrl.workers.batching import arrange_minibatches
 
     t = time.time()
     mc = _sibling("megatron_checks")
-    cfg = make_cfg(model, tp, pp, rollout_tp, lr)
-    group = WorkerGroup(ShmActorRollout, init_kwargs={"cfg": cfg}, name=f"ar-{Path(model).name}-{rollout_tp}")
+    cfg = make_cfg(model, tp, pp, rollout_tp, lr, *extra)
+    group = WorkerGroup(ShmActorRollout, init_kwargs={"cfg": cfg},
+                        name=f"ar-{Path(model).name}-{rollout_tp}" + ("-lora" if extra else ""))
     batch = mc.text_batch(model, n_seqs)
     mask = batch["attention_mask"].clone()
     mask[:, 0] = 0
@@ -434,6 +435,15 @@ def main() -> None:
     res["smollm2_tp1"] = s["result"]
     s["group"].close_rollout()
     timed("smollm2 1x2 -> rollout tp1", t0)
+
+    # 4. tiny with LoRA adapters (actor.lora): TP=1 PP=1 DP=4 -> rollout TP=1. The adapters start at
+    # B = 0, so the first reshard pushes the base; after the update B != 0 and the second pushes the
+    # merged W + alpha/r B A (tests/test_train.py's LoRA run checks the 2x2 layout into rollout TP=2)
+    t0 = time.time()
+    s = sync_scenario(TINY, 1, 1, 1, 1e-2, 8, 0.25, "actor.lora.rank=8", "actor.lora.alpha=16")
+    res["tiny_lora_tp1"] = s["result"]
+    s["group"].close_rollout()
+    timed("tiny lora 1x1 -> rollout tp1", t0)
 
     res["timings"]["total"] = round(time.time() - t_all, 1)
     Path(out_path).write_text(json.dumps(res, indent=1, default=str))

@@ -13,7 +13,8 @@ level 1 keeps a host copy; here there is no cheaper place to keep one), and the 
 - parameters that vLLM keeps as plain tensors (embeddings, norms, biases) and the KV cache
   tensors get their storage resized to zero bytes; `wake` gives the same tensors their size back.
   The parameters' new memory holds whatever the heap hands back (the reload overwrites all of
-  it); the KV cache's is zeroed, as vLLM allocates it: vLLM's CPU attention reads the unwritten
+  it); the KV cache's is zeroed, as vLLM allocates it (`zero_lazily`: without making it resident,
+  so a step's resident set holds only the blocks it writes): vLLM's CPU attention reads the unwritten
   slots of a partly filled block and masks them out, which a NaN or inf left there by freed
   trainer tensors turns into NaN log-probs (seen once in CI; tests/test_rollout.py now fills
   the freed cache with NaN before every wake). The prefix cache is reset after every reload.
@@ -25,6 +26,8 @@ inside vLLM's worker through `LLM.collective_rpc` (the in-process engine: no cop
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 from typing import Any
 
 import torch
@@ -51,6 +54,32 @@ def _storages(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, int]]:
         seen.add(st.data_ptr())
         out.append((t, st.nbytes()))
     return out
+
+
+_PAGE = mmap.PAGESIZE
+_MADV_DONTNEED = 4  # Linux: private anonymous pages read back as zeros, mapped again on first touch
+
+
+def zero_lazily(storage: torch.UntypedStorage) -> None:
+    """Zero a storage without touching its pages: the page-aligned inside is handed back to the
+    kernel (madvise MADV_DONTNEED: it reads as zeros and takes memory again only where written), the
+    partial pages at the ends are zeroed by hand. Why: filling the whole KV cache made every page of
+    it resident at every wake, while a step writes only the blocks its sequences use."""
+    start, n = storage.data_ptr(), storage.nbytes()
+    inner = -(-start // _PAGE) * _PAGE
+    end = (start + n) // _PAGE * _PAGE
+    if end - inner < _PAGE or _madvise(inner, end - inner, _MADV_DONTNEED) != 0:
+        storage.fill_(0)
+        return
+    flat = torch.tensor([], dtype=torch.uint8).set_(storage)
+    flat[:inner - start].zero_()
+    flat[end - start:].zero_()
+
+
+def _madvise(addr: int, length: int, advice: int) -> int:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return int(libc.madvise(addr, length, advice))
 
 
 def release(worker: Any) -> dict[str, int]:
@@ -82,6 +111,6 @@ def wake(worker: Any, tags: list[str] | None = None) -> None:
             storage = t.untyped_storage()
             storage.resize_(n)
             if tag == "kv_cache":
-                storage.fill_(0)
+                zero_lazily(storage)
         if tag == "weights" and "hook" in state:
             state.pop("hook").remove()  # the layers' guards stay until the reload replaces them
