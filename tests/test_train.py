@@ -270,12 +270,15 @@ def test_ranks_leave_together_after_a_clean_run(ppo: tuple[Path, list[dict]]) ->
     (hpcrl.launch.exit_order), so each one's exit must be quick. Tearing down an interpreter with
     torch, megatron and vLLM loaded took ~4 s of garbage collection per rank (launchers/hpcrl_entry.py
     `_leave`)."""
+    from hpcrl.controller.stderr_log import exit_time
+
     run_dir, _ = ppo
     exits = []
     for log in (run_dir / "logs").glob("rank*.log"):
-        found = re.findall(r"^\[hpcrl stderr\] exit pid=\d+ at=([\d.]+)$", log.read_text(errors="replace"), re.M)
-        assert found, f"{log}: no exit line"
-        exits.append(float(found[-1]))
+        pid = int(log.read_text(errors="replace").split("pid=", 1)[1].split()[0])  # its "start pid=P" line
+        at = exit_time(str(log), pid)
+        assert at is not None, f"{log}: no exit line"
+        exits.append(at)
     assert len(exits) == 5
     # measured alone on the ppo run: 11.6 s before, 2.6 s after
     assert max(exits) - min(exits) < 8.0, f"the ranks left over {max(exits) - min(exits):.1f} s: {sorted(exits)}"

@@ -76,10 +76,15 @@ def zero_lazily(storage: torch.UntypedStorage) -> None:
     flat[end - start:].zero_()
 
 
+_libc: ctypes.CDLL | None = None
+
+
 def _madvise(addr: int, length: int, advice: int) -> int:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return int(libc.madvise(addr, length, advice))
+    global _libc
+    if _libc is None:  # once per process: a wake makes one call per layer
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return int(_libc.madvise(addr, length, advice))
 
 
 def release(worker: Any) -> dict[str, int]:
