@@ -253,3 +253,45 @@ def test_gradient_square_sum_matches_float64_at_fp32_speed() -> None:
     one_fp32_norm = float(torch.linalg.vector_norm(big)) ** 2
     assert abs(one_fp32_norm - exact) > 1e-5 * exact  # what square_sum avoids (measured 7e-4 here)
     assert float(square_sum(torch.ones(2, 3, dtype=torch.bfloat16))) == 6.0
+
+
+def test_bf16_per_sequence_attention_rounds_once_from_the_exact_result() -> None:
+    """On CPU, bf16 per-sequence attention is computed in fp32 and rounded once: every output is the
+    exact result (float64, from the formula) rounded to bf16, up to one bf16 step on near ties.
+    Covers a shared prefix with two branches, a plain sequence, tail padding and grouped queries."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from hpcrl.engines.megatron.attention import SequenceAttention
+
+    heads, groups, d, t = 6, 2, 16, 20
+    cfg = TransformerConfig(num_layers=1, hidden_size=heads * d, num_attention_heads=heads,
+                            num_query_groups=groups, kv_channels=d, attention_dropout=0.0)
+    ps.set_tensor_model_parallel_world_size(1)
+    try:
+        attn = SequenceAttention(cfg, 1, None, "self")
+    finally:
+        ps.set_tensor_model_parallel_world_size(None)
+    # (offset, length, prefix offset, prefix length): a prefix of 5, two branches of it, a plain sequence
+    segs = [(0, 5, 0, 0), (5, 4, 0, 5), (9, 3, 0, 5), (12, 6, 0, 0)]
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(t, 1, n, d, generator=g).bfloat16() for n in (heads, groups, groups))
+    out = attn(q, k, v, torch.tensor([segs]))
+    assert out.dtype == torch.bfloat16 and out.shape == (t, 1, heads * d)
+
+    exact = torch.zeros(t, heads, d, dtype=torch.float64)
+    qd, kd, vd = (x[:, 0].double() for x in (q, k, v))
+    for off, n, pre, f in segs:
+        for i in range(n):
+            keys = list(range(pre, pre + f)) + list(range(off, off + i + 1))  # prefix, then itself causally
+            for h in range(heads):
+                kv = h // (heads // groups)
+                w = torch.softmax(kd[keys, kv] @ qd[off + i, h] / d ** 0.5, dim=0)
+                exact[off + i, h] = w @ vd[keys, kv]
+    got = out[:, 0].reshape(t, heads, d).double()
+    assert got[18:].abs().max() == 0  # tail padding
+    rounded = exact.bfloat16().double()
+    step = (rounded.abs() * 2.0 ** -7).clamp_min(2.0 ** -133)  # one bf16 step at that magnitude
+    assert ((got - rounded).abs() <= step).all()
+    assert (got == rounded).double().mean() > 0.99, float((got == rounded).double().mean())
