@@ -77,17 +77,38 @@ class Liveness:
         next_beat = 0.0
         tick = min(self.interval_s / 4, 0.1)
         reported_errors = 0
+
+        def report(e: MPI.Exception) -> None:  # a failed peer may surface as an MPI error; silence decides
+            nonlocal reported_errors
+            if reported_errors < 3:
+                print(f"[hpcrl liveness, rank {self.world.rank}] MPI error: {e}", file=terminal(err=True), flush=True)
+            reported_errors += 1
+
+        # Each send, each test and the receiving are guarded apart: one dead peer's error must not stop
+        # the beats to the peers after it, nor the receiving of everyone's beats. (It did: a SIGKILLed
+        # rank 3 made every Isend to it raise, rank 4 got no beat and aborted, and the controller, no
+        # longer receiving, named whichever rank had gone silent longest.)
         while not self._stop.is_set():
             now = time.monotonic()
             with self._lock:
                 peers = list(self._last)
-            try:
-                if now >= next_beat:
-                    for p in peers:
+            if now >= next_beat:
+                next_beat = now + self.interval_s
+                for p in peers:
+                    try:
                         pending.append(comm.Isend([beat, MPI.BYTE], p, TAG_BEAT))
                         self.sent[p] += 1
-                    next_beat = now + self.interval_s
-                pending = [r for r in pending if not r.Test()]
+                    except MPI.Exception as e:
+                        report(e)
+            still = []
+            for r in pending:
+                try:
+                    if not r.Test():
+                        still.append(r)
+                except MPI.Exception as e:
+                    report(e)
+            pending = still
+            try:
                 while comm.Iprobe(MPI.ANY_SOURCE, TAG_BEAT, status):
                     src = status.Get_source()
                     comm.Recv([sink, MPI.BYTE], src, TAG_BEAT)
@@ -95,11 +116,8 @@ class Liveness:
                     with self._lock:
                         if src in self._last:
                             self._last[src] = time.monotonic()
-            except MPI.Exception as e:  # a failed peer may surface as an MPI error; silence decides
-                if reported_errors < 3:
-                    print(f"[hpcrl liveness, rank {self.world.rank}] MPI error: {e}", file=terminal(err=True),
-                          flush=True)
-                reported_errors += 1
+            except MPI.Exception as e:
+                report(e)
             now = time.monotonic()
             with self._lock:
                 silent = [(p, now - t) for p, t in self._last.items() if now - t > self.timeout_s]
