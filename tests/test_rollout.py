@@ -258,3 +258,23 @@ def test_woken_kv_cache_is_zero_without_becoming_resident() -> None:
     after = _resident_bytes()
     assert before - after > 0.9 * 4 * n, (before, after)
     assert int(torch.count_nonzero(cache)) == 0
+
+
+def test_freed_tensors_are_handed_back_to_the_kernel() -> None:
+    """What a worker does before every reshard (ActorRolloutRole.enter_rollout): glibc keeps freed
+    blocks under its mmap threshold resident for reuse, so the update's freed activations stayed in
+    the resident set beside the woken vLLM weights; return_free_heap gives their pages back."""
+    from hpcrl.workers.memory import return_free_heap
+
+    torch.empty(4 << 20)  # freed at once: a freed 16 MB block raises glibc's mmap threshold (as the update's do)
+    blocks = [torch.ones(2 << 20) for _ in range(80)]  # 80 x 8 MB, now from the heap, written
+    kept = blocks[1::2]  # every other block stays: the freed ones are holes the heap's top cannot give back
+    before = _resident_bytes()
+    del blocks
+    freed_but_resident = _resident_bytes()
+    trimmed = return_free_heap()
+    after = _resident_bytes()
+    size = 40 * (8 << 20)
+    assert before - freed_but_resident < 0.1 * size, "glibc returned the blocks by itself: the test shows nothing"
+    assert trimmed > 0.9 * size and freed_but_resident - after > 0.9 * size, (before, freed_but_resident, after)
+    assert all(int(k[-1]) == 1 for k in kept)

@@ -6,8 +6,11 @@ GRPOTrainer side by side from one run, same model, data, batch and hyper-paramet
 Prints the per-step mean training reward of both (the learning curves), greedy validation accuracy on
 the same first K validation prompts before and after N steps, and training throughput (prompt +
 generated tokens per second of training-step wall time, model loading, start-up and validation
-excluded) with the hpcrl / TRL ratio. The goals it checks: hpcrl's accuracy gain >= TRL's, and
-hpcrl's tokens/s >= 1.5x TRL's.
+excluded) with the hpcrl / TRL ratio. The goals it checks: hpcrl's tokens/s >= 1.5x TRL's (median of
+the rounds), and, as a mean over the rounds, hpcrl's training reward over the second half of the steps
+(6-10 of 10) and its validation reward after training not below TRL's (and the accuracy gain, per round).
+`--seeds 1 2 3` runs one round per seed; `--report DIR/round1 ...` prints that summary again from runs
+kept with `--keep`, running nothing.
 
 hpcrl: `hpcrl run configs/grpo_smollm2.yaml` with overrides (2 CPU workers, fp32, Megatron-core
 trainer + vLLM rollout colocated). TRL: GRPOTrainer in its own venv (tools/setup_trl_venv.sh makes
@@ -319,6 +322,11 @@ def _run_hpcrl(args: argparse.Namespace, tmp: str, overrides: list[str], env: di
     if rc != 0:
         print(open(os.path.join(tmp, "hpcrl.log")).read()[-4000:])
         raise SystemExit(f"bench: hpcrl run failed (exit {rc})")
+    return {**_read_hpcrl(run_dir, args.steps), "wall_s": wall, "load": load}
+
+
+def _read_hpcrl(run_dir: str, n_steps: int) -> dict:
+    """hpcrl's per-step records and validations from a finished run directory."""
     steps = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl")) if x.strip()]
     val: dict[int, dict] = {}
     for x in open(os.path.join(run_dir, "validation.jsonl")):
@@ -334,7 +342,7 @@ def _run_hpcrl(args: argparse.Namespace, tmp: str, overrides: list[str], env: di
                     "validate_s": m.get("time/validate", 0.0),
                     "phases": {k[5:]: v for k, v in m.items() if k.startswith("time/") and k not in
                                ("time/step", "time/validate", "time/to_training")}})
-    return {"steps": out, "val_before": val[0], "val_after": val[args.steps], "wall_s": wall, "load": load}
+    return {"steps": out, "val_before": val[0], "val_after": val[n_steps]}
 
 
 def _run_trl(args: argparse.Namespace, tmp: str, prepared: dict, env: dict) -> dict:
@@ -423,9 +431,14 @@ def _report(args: argparse.Namespace, h: dict, r: dict, load: tuple[float, float
           f"{r['trl_logged_num_tokens']} tokens, hpcrl {sum(x['tokens'] for x in h['steps']):.0f})")
 
     ratio = _throughput(h["steps"], False) / _throughput(r["steps"], False)
-    print("\ngoals")
+    lh, lr = _learning(h), _learning(r)
+    print("\ngoals (this round; over several seeds see the summary at the end)")
     print(f"  accuracy gain >= TRL's : {ha - hb:+.3f} vs {ta - tb:+.3f} -> "
           f"{'met' if ha - hb >= ta - tb else 'NOT met'}")
+    print(f"  training reward, {_tail_label(h)} >= TRL's : {lh['train_reward']:.3f} vs {lr['train_reward']:.3f} -> "
+          f"{'met' if lh['train_reward'] >= lr['train_reward'] else 'NOT met'}")
+    print(f"  validation reward after training >= TRL's : {lh['val_reward_after']:.3f} vs "
+          f"{lr['val_reward_after']:.3f} -> {'met' if lh['val_reward_after'] >= lr['val_reward_after'] else 'NOT met'}")
     print(f"  tokens/s >= 1.5x TRL's : {ratio:.2f}x -> {'met' if ratio >= 1.5 else 'NOT met'}")
     print(f"  (with {args.steps} steps and {k} validation prompts one answer is {1 / k:.3f} of accuracy: "
           "small runs are noisy; scale with --steps / --val-samples)")
@@ -434,6 +447,74 @@ def _report(args: argparse.Namespace, h: dict, r: dict, load: tuple[float, float
 
     for line in DIFFERENCES:
         print(f"  - {line}".format(hpcrl_tf=transformers.__version__, trl_tf=v["transformers"]))
+
+
+def _tail(side: dict) -> list[dict]:
+    """The second half of the steps (6-10 of 10): the training reward once learning has had time."""
+    steps = side["steps"]
+    return steps[len(steps) // 2:]
+
+
+def _tail_label(side: dict) -> str:
+    t = _tail(side)
+    return f"steps {t[0]['step']}-{t[-1]['step']}"
+
+
+def _learning(side: dict) -> dict:
+    return {"train_reward": statistics.fmean(x["reward_mean"] for x in _tail(side)),
+            "val_acc_before": side["val_before"]["acc"], "val_acc_after": side["val_after"]["acc"],
+            "val_reward_before": side["val_before"]["reward_mean"],
+            "val_reward_after": side["val_after"]["reward_mean"]}
+
+
+def _summary(rounds: list[dict]) -> None:
+    """Per round (seed) and mean over rounds: the learning numbers the goals compare, and the median
+    tokens/s ratio. Each round: {"seed", "hpcrl", "trl", "ratio"} (tokens/s without step 1)."""
+    h0 = rounds[0]["hpcrl"]
+    print(f"\n=== summary over {len(rounds)} round(s): training reward = mean over {_tail_label(h0)}; "
+          f"validation greedy on {int(h0['val_before'].get('samples', 0))} prompts")
+    print(f"{'seed':>4} | {'hpcrl train':>11} {'val acc':>13} {'val reward':>13} | "
+          f"{'TRL train':>9} {'val acc':>13} {'val reward':>13} | tokens/s ratio")
+    rows = []
+    for rd in rounds:
+        lh, lr = _learning(rd["hpcrl"]), _learning(rd["trl"])
+        rows.append((lh, lr))
+        ratio = f"{rd['ratio']:.2f}x" if rd.get("ratio") else "-"
+        print(f"{rd['seed']:>4} | {lh['train_reward']:11.3f} {lh['val_acc_before']:6.3f}->{lh['val_acc_after']:.3f} "
+              f"{lh['val_reward_before']:6.3f}->{lh['val_reward_after']:.3f} | {lr['train_reward']:9.3f} "
+              f"{lr['val_acc_before']:6.3f}->{lr['val_acc_after']:.3f} "
+              f"{lr['val_reward_before']:6.3f}->{lr['val_reward_after']:.3f} | {ratio}")
+    m = lambda side, k: statistics.fmean(row[side][k] for row in rows)
+    print(f"{'mean':>4} | {m(0, 'train_reward'):11.3f} {m(0, 'val_acc_before'):6.3f}->{m(0, 'val_acc_after'):.3f} "
+          f"{m(0, 'val_reward_before'):6.3f}->{m(0, 'val_reward_after'):.3f} | {m(1, 'train_reward'):9.3f} "
+          f"{m(1, 'val_acc_before'):6.3f}->{m(1, 'val_acc_after'):.3f} "
+          f"{m(1, 'val_reward_before'):6.3f}->{m(1, 'val_reward_after'):.3f} |")
+    print(f"goals (mean of {len(rows)} round(s))")
+    for key, label in (("train_reward", f"training reward, {_tail_label(h0)}"),
+                       ("val_reward_after", "validation reward after training")):
+        a, b = m(0, key), m(1, key)
+        print(f"  {label} >= TRL's : {a:.3f} vs {b:.3f} -> {'met' if a >= b else 'NOT met'}")
+    ratios = [rd["ratio"] for rd in rounds if rd.get("ratio")]
+    if ratios:
+        med = statistics.median(ratios)
+        print(f"  tokens/s >= 1.5x TRL's (median of {len(ratios)} round(s), without step 1): {med:.2f}x -> "
+              f"{'met' if med >= 1.5 else 'NOT met'}")
+
+
+def _read_kept(round_dir: str) -> dict:
+    """A round kept with --keep (ROUND_DIR holds hpcrl/ and trl.json), for --report."""
+    spec_path = os.path.join(round_dir, "trl_spec.json")
+    need = (spec_path, os.path.join(round_dir, "trl.json"), os.path.join(round_dir, "hpcrl", "metrics.jsonl"))
+    if not all(os.path.isfile(x) for x in need):
+        raise SystemExit(f"bench: {round_dir} is not a finished round kept with --keep "
+                         "(it needs trl_spec.json, trl.json and hpcrl/metrics.jsonl)")
+    with open(spec_path) as f:
+        spec = json.load(f)
+    with open(os.path.join(round_dir, "trl.json")) as f:
+        r = json.load(f)
+    h = _read_hpcrl(os.path.join(round_dir, "hpcrl"), spec["steps"])
+    return {"seed": spec["seed"], "hpcrl": h, "trl": r,
+            "ratio": _throughput(h["steps"], True) / _throughput(r["steps"], True)}
 
 
 def main() -> None:
@@ -458,8 +539,14 @@ def main() -> None:
                    help="hpcrl's vLLM CPU KV cache per worker in GiB (default: sized to the step by hpcrl)")
     p.add_argument("--trl-threads", type=int, default=0, help="TRL torch threads (default: = --workers)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--seeds", type=int, nargs="+", metavar="SEED",
+                   help="one alternating hpcrl / TRL round per seed (overrides --seed and --rounds); the summary "
+                        "gives each seed's learning numbers, their mean and the median tokens/s ratio")
     p.add_argument("--rounds", type=int, default=3, help="alternating hpcrl / TRL rounds (the full report is "
                    "printed for the first; the tokens/s ratio of every round and their median at the end)")
+    p.add_argument("--report", nargs="+", metavar="ROUND_DIR",
+                   help="run nothing: print the summary of rounds kept with --keep (e.g. DIR/round1 of several "
+                        "seeds' runs)")
     p.add_argument("--trl-python", default=os.environ.get("TRL_PYTHON", os.path.join(REPO, ".venv-trl/bin/python")))
     p.add_argument("--timeout", type=float, default=None, help="seconds per side (default: none)")
     p.add_argument("--keep", metavar="DIR", help="keep the runs' files (logs, metrics) in DIR")
@@ -472,6 +559,9 @@ def main() -> None:
         with open(args.trl_child[1], "w") as f:
             json.dump(res, f)
         return
+    if args.report:
+        _summary([_read_kept(d) for d in args.report])
+        return
     if (args.prompts * args.n) % args.mini_batch:
         p.error("--prompts x --n must be a multiple of --mini-batch")
     args.trl_threads = args.trl_threads or args.workers
@@ -482,15 +572,20 @@ def main() -> None:
     tmp = args.keep or tempfile.mkdtemp(prefix="hpcrl-bench-learning-")
     os.makedirs(tmp, exist_ok=True)
     load0 = os.getloadavg()[0]
+    seeds = args.seeds or [args.seed] * args.rounds
     try:
-        prepared = _prepare(args, _overrides(args, os.path.join(tmp, "hpcrl")))
-        print(f"[bench] {args.steps} steps x {args.prompts} prompts, {len(prepared['val'])} validation prompts; "
-              f"files in {tmp}", flush=True)
         # Alternating rounds (hpcrl, TRL, hpcrl, TRL, ...): a host's speed drifts over minutes (steal
         # time, other tenants), so one half of each cannot tell a change from the weather. Every
         # round is printed with its load and steal time; the median ratio is the result.
-        ratios = []
-        for k in range(args.rounds):
+        ratios, rounds = [], []
+        prepared_seed = None
+        for k, seed in enumerate(seeds):
+            args.seed = seed
+            if seed != prepared_seed:  # the seed orders the prompts
+                prepared = _prepare(args, _overrides(args, os.path.join(tmp, "hpcrl")))
+                prepared_seed = seed
+                print(f"[bench] seed {seed}: {args.steps} steps x {args.prompts} prompts, "
+                      f"{len(prepared['val'])} validation prompts; files in {tmp}", flush=True)
             rtmp = os.path.join(tmp, f"round{k + 1}")
             os.makedirs(rtmp, exist_ok=True)
             steal0 = steal_seconds()
@@ -501,14 +596,20 @@ def main() -> None:
             steal2 = steal_seconds()
             th, tt = _throughput(h["steps"], True), _throughput(r["steps"], True)
             ratios.append(th / tt)
-            print(f"[bench] round {k + 1}/{args.rounds}: tokens/s (without step 1) hpcrl {th:.1f}, TRL {tt:.1f}, "
-                  f"ratio {th / tt:.2f}x; load hpcrl {h['load']['mean']:.2f} / TRL {r['load']['mean']:.2f}; "
-                  f"steal hpcrl {steal1 - steal0:.1f} s / TRL {steal2 - steal1:.1f} s", flush=True)
+            rounds.append({"seed": seed, "hpcrl": h, "trl": r, "ratio": th / tt})
+            lh, lr = _learning(h), _learning(r)
+            print(f"[bench] round {k + 1}/{len(seeds)} (seed {seed}): tokens/s (without step 1) hpcrl {th:.1f}, "
+                  f"TRL {tt:.1f}, ratio {th / tt:.2f}x; training reward {_tail_label(h)} hpcrl "
+                  f"{lh['train_reward']:.3f} / TRL {lr['train_reward']:.3f}; validation reward after hpcrl "
+                  f"{lh['val_reward_after']:.3f} / TRL {lr['val_reward_after']:.3f}; load hpcrl "
+                  f"{h['load']['mean']:.2f} / TRL {r['load']['mean']:.2f}; steal hpcrl {steal1 - steal0:.1f} s / "
+                  f"TRL {steal2 - steal1:.1f} s", flush=True)
             if k == 0:
                 _report(args, h, r, (load0, os.getloadavg()[0]))
         print(f"\n[bench] tokens/s ratio hpcrl / TRL (without step 1) per round: "
               f"{', '.join(f'{x:.2f}' for x in ratios)}; median {statistics.median(ratios):.2f}x "
               f"(goal >= 1.5x: {'met' if statistics.median(ratios) >= 1.5 else 'NOT met'})")
+        _summary(rounds)
     finally:
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)

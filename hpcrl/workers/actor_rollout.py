@@ -32,6 +32,7 @@ from hpcrl.controller.batch import Batch, even_sizes
 from hpcrl.engines.reshard import naive_reshard, reshard_to_rollout
 from hpcrl.engines.vllm.engine import CPU_BLOCK_SIZE, Completion, RolloutEngine, SamplingSettings
 from hpcrl.workers.megatron_roles import MegatronRole
+from hpcrl.workers.memory import return_free_heap
 
 log = logging.getLogger(__name__)
 
@@ -162,11 +163,14 @@ class ActorRolloutRole(RolloutMethods, MegatronRole):
     def enter_rollout(self, bucket_mb: float | None = None) -> dict[str, Any]:
         """Training -> rollout phase. The order matters for peak memory: wake vLLM's weight
         memory, push the actor's weights into it, move the trainer to host memory (GPU), and only
-        then give vLLM its KV cache back (with actor.offload)."""
+        then give vLLM its KV cache back (with actor.offload). The update's freed activations are
+        handed back to the kernel first, not held beside the woken weights."""
+        returned = return_free_heap()
         self.rollout.wake_up(["weights"])
         stats = ActorRolloutRole.reshard_to_rollout(self, bucket_mb)
         stats["trainer_offloaded"] = self.offload_trainer and self.engine.offload()
         self.rollout.wake_up(["kv_cache"])
+        stats["heap_returned_bytes"] = returned
         return stats
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
