@@ -56,8 +56,8 @@ STEP_LINE = re.compile(r"(step \d+/\d+|validation after|worker groups ready|Trac
 DIFFERENCES = [
     "generation: hpcrl samples with vLLM (CPU), TRL with HF generate; different random streams, so the "
     "sampled completions (and the curves) differ even from the same weights",
-    "mini-batches: both shuffle the generation batch before splitting it, each with its own seeded "
-    "permutation (hpcrl: actor.shuffle_minibatches)",
+    "mini-batches: hpcrl cuts them from a seeded shuffle of the prompts, each prompt's samples together "
+    "(actor.shuffle_minibatches, actor.share_prompt); TRL from a shuffle of the samples",
     "old log-probs: hpcrl takes vLLM's (the demo config's actor.old_logprob: rollout; equal to the "
     "actor's within ~1e-5 in fp32), TRL computes them with a forward of its model",
     "advantage epsilon: (r - mean) / (std + 1e-6) in hpcrl, (std + 1e-4) in TRL (unbiased std in both)",
