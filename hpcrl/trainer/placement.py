@@ -40,7 +40,7 @@ class Colocated:
     def to_rollout(self, step: int) -> dict[str, float]:
         stats = self.actor.enter_rollout()
         return {"weights/received_mb_max": max(s["bytes_received"] for s in stats) / 1e6,
-                "heap/returned_gb_max": max(s["heap_returned_bytes"] for s in stats) / 1e9}
+                "memory/heap_returned_gb_max": max(s["heap_returned_bytes"] for s in stats) / 1e9}
 
     def to_training(self) -> None:
         self.actor.enter_training()
