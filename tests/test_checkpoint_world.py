@@ -2,9 +2,10 @@
 
 tests/programs/checkpoint_checks.py runs every scenario in one world; these tests assert on what it
 measured: same-layout save -> load is byte-identical (weights, AdamW moments and steps, step_count)
-and stays bit-exact for a further step; a TP=2 save loads at TP=1 with log-probs within 1e-5; the
-offline HF export gives HF transformers log-probs within 1e-5; a save onto a full disk (tmpfs)
-fails on the controller with a clear error and the world goes on.
+and stays bit-exact for a further step, with the optimizer state cut over DP or not; a TP=2 save
+loads at TP=1 with log-probs within 1e-5; the offline HF export gives HF transformers log-probs
+within 1e-5; a save onto a full disk (tmpfs) fails on the controller with a clear error and the
+world goes on.
 """
 
 from __future__ import annotations
@@ -68,6 +69,23 @@ def test_resumed_run_is_bit_exact(checks: dict) -> None:
     assert checks["B_step3_logprob_equal"]
     assert checks["B_step3_equals_A"], checks["B_step3_differences"]
     assert checks["B_step3_files"] == 4
+
+
+def test_optimizer_state_cut_over_dp_steps_and_saves_as_unsharded(checks: dict) -> None:
+    """actor.optim.shard_over_dp (default): each of the 2 DP ranks keeps AdamW's moments of about half
+    the parameters; the unsharded group loads the sharded save and steps to the same bytes."""
+    assert checks["load_U"]["converted"] is False and checks["load_U"]["step_count"] == 2
+    sharded, whole = checks["optimizer_bytes"]["sharded"], checks["optimizer_bytes"]["whole"]
+    # whole: exp_avg + exp_avg_sq of the TP shard (fp32) and one 4-byte step per tensor, on every rank
+    assert len(set(whole)) <= 2 and min(whole) > 0
+    for r, (s, w) in enumerate(zip(sharded, whole, strict=True)):
+        assert 0.3 * w < s < 0.7 * w, (r, sharded, whole)
+    assert checks["update_3_U"] == checks["update_3_A"]
+    assert checks["U_step3_tensors_equal_A"], checks["U_step3_differences"]
+    meta_diffs = [d for d in checks["U_step3_differences"] if ": optim_settings:" in d]
+    assert len(meta_diffs) == 2 and all("'shard_over_dp': True" in d and "'shard_over_dp': False" in d
+                                        for d in meta_diffs), checks["U_step3_differences"]
+    assert all(d.split(":")[0].endswith(".json") for d in checks["U_step3_differences"])
 
 
 def test_async_save_equals_sync_save(checks: dict) -> None:

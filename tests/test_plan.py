@@ -121,7 +121,8 @@ def test_tiny_cpu_terms_by_hand() -> None:
     update = phases["update actor"]
     assert update["actor weights (fp32)"] == 4 * shard
     assert update["actor gradients (fp32 .grad)"] == 4 * shard
-    assert update["actor Adam moments (2 x fp32)"] == 8 * shard
+    # Adam's moments cut over the 2 DP ranks (actor.optim.shard_over_dp): half the shard each
+    assert update["actor Adam moments (2 x fp32)"] == 8 * shard // 2
     assert "actor gradients (fp32 .grad)" not in phases["rollout"]  # dropped after each optimizer step
     # micro-batch: max(actor.micro_batch_tokens 2048, a full sequence 128 + 16) = 2048 tokens; one in
     # flight (PP=1); per token and layer 4h + (2 q_dim + 2 kv_dim) / tp + 4 I / tp (unfused gate on CPU)
@@ -143,6 +144,10 @@ def test_tiny_cpu_terms_by_hand() -> None:
     # tensor, the TP shard of the fused [gate, up] projection: 2 x 512 / 2 x 128
     assert phases["optimizer step"]["optimizer temporaries"] == 4 * 2 * 512 // 2 * 128
     assert est.peak.name == "rollout"
+    # every DP rank keeping every moment (shard_over_dp=false): the whole shard's
+    cfg.actor.optim.shard_over_dp = False
+    whole = estimate(cfg, RoleShapes(policy=tiny_shape()), host_mem_bytes=3 << 30, host_mem_source="test")
+    assert {p.name: p.terms for p in whole.phases}["update actor"]["actor Adam moments (2 x fp32)"] == 8 * shard
 
 
 def test_smollm2_kv_cache_matches_the_recipe_comment() -> None:
@@ -165,12 +170,13 @@ def test_gpu_terms_by_hand_70b_32_nodes() -> None:
     phases = {p.name: p.terms for p in est.phases}
     stage0 = 1_201_045_504
     update = phases["update actor"]
-    # 18 bytes a parameter for each trained role: bf16 weights, fp32 main_grad, fp32 masters, Adam 2 x fp32
+    # 9 bytes a parameter for each trained role: bf16 weights, fp32 main_grad, and the fp32 masters
+    # and Adam 2 x fp32 cut over DP=4 (32 nodes x 8 GPUs / TP 8 / PP 8)
     for role in ("actor", "critic"):
         assert update[f"{role} weights (bf16)"] == 2 * stage0
         assert update[f"{role} gradients (fp32 main_grad)"] == 4 * stage0
-        assert update[f"{role} master weights (fp32)"] == 4 * stage0
-        assert update[f"{role} Adam moments (2 x fp32)"] == 8 * stage0
+        assert update[f"{role} master weights (fp32)"] == 4 * stage0 // 4
+        assert update[f"{role} Adam moments (2 x fp32)"] == 8 * stage0 // 4
     assert update["reference weights (bf16)"] == 2 * stage0
     # 1F1B: stage 0 of 8 keeps 8 micro-batches of 4096 tokens over its 10 layers; per token and layer
     # 4h + (2 q_dim + 2 kv_dim) / 8 + 3 I / 8 elements (fused gate on GPU), 2 bytes each
@@ -201,16 +207,18 @@ def test_lora_plans_adapter_optimizer_state_and_no_reference_copy() -> None:
     adapters = 10 * (r * h + (8192 + 2048) // tp * r + r * h + 2 * 28672 // tp * r
                      + r * 8192 // tp + h * r + r * 28672 // tp + h * r)
     assert update["actor weights (bf16)"] == 2 * (stage0 + adapters)
-    assert update["actor master weights (fp32)"] == 4 * adapters
-    assert update["actor Adam moments (2 x fp32)"] == 8 * adapters
+    # masters and moments cut over DP=4
+    assert update["actor master weights (fp32)"] == 4 * -(-adapters // 4)
+    assert update["actor Adam moments (2 x fp32)"] == 8 * -(-adapters // 4)
     assert update["actor gradients (fp32 main_grad)"] == 4 * adapters
     assert not any(k.startswith("reference ") for k in update)
     full = estimate(load_config(REPO / PPO_70B), RoleShapes(policy=read_model_shape(LLAMA3_70B)),
                     gpu_mem_bytes=80 * GIB)
     full_update = {p.name: p for p in full.phases}["update actor"].total
     lora_update = {p.name: p for p in est.phases}["update actor"].total
-    # 16 of the actor's 18 bytes a parameter, and the reference's 2, less the adapters' 18 a parameter
-    assert full_update - lora_update == 18 * stage0 - 18 * adapters
+    # the actor's 4 + 12 / 4 bytes a parameter beyond its weights, and the reference's 2, less the
+    # adapters' 2 + 4 + 12 / 4
+    assert full_update - lora_update == 9 * stage0 - (2 * adapters + 4 * adapters + 12 * -(-adapters // 4))
 
 
 def _plan(*options: str, overrides: tuple[str, ...] = ()):
@@ -223,7 +231,9 @@ def test_cli_70b_fits_on_32_nodes_and_not_on_4() -> None:
     r = _plan("--nodes", "32", "--gpus-per-node", "8", "--gpu-mem", "80")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "verdict     fits" in r.stdout and "llama3-70b.json (--model-config)" in r.stdout
-    assert "GiB per GPU, pipeline stage 0 of 8" in r.stdout and "peak        update actor" in r.stdout
+    # the masters and moments cut over DP=4: generating (vLLM's weights and KV cache) is the peak
+    assert "GiB per GPU, pipeline stage 0 of 8" in r.stdout and "peak        rollout: 62.30 GiB" in r.stdout
+    assert "cut over the actor's DP ranks (actor.optim.shard_over_dp)" in r.stdout
     assert "holds at least one full sequence" in r.stdout
 
     r = _plan("--nodes", "4", "--gpus-per-node", "8", "--gpu-mem", "80")
@@ -249,8 +259,9 @@ def test_cli_does_not_fit_names_what_to_change() -> None:
         "critic.parallel.data_parallel=8", "actor.micro_batch_tokens=16384", "critic.micro_batch_tokens=16384"))
     assert r.returncode == 3, r.stdout + r.stderr
     assert "verdict     does not fit: update actor needs" in r.stdout
-    assert "what to change" in r.stdout and "actor.parallel.pipeline_parallel=8" in r.stdout
-    assert "actor.micro_batch_tokens=" in r.stdout
+    # with the optimizer state cut over DP=8, smaller micro-batches alone are enough (PP stays 4)
+    assert "what to change" in r.stdout
+    assert "actor.micro_batch_tokens=4096 critic.micro_batch_tokens=4096: peak 70.09 GiB (rollout), fits" in r.stdout
 
 
 @pytest.mark.parametrize("bad", ["0", "-80", "abc", "nan", "inf"])
@@ -370,6 +381,7 @@ def test_cli_70b_split_gpu_plan() -> None:
         "rollout workers: workers 129-256")
     # the largest conversion unit, Llama-3-70B's embedding in bf16: 128256 x 8192 x 2 bytes = 1.96 GiB
     assert re.search(r"transfer bucket: TP parts, HF copy, send buffer +5\.87 ", trainer_part), trainer_part
-    assert "peak        update actor: 72.87 GiB" in trainer_part and "vLLM" not in trainer_part
+    # 72.87 GiB before the masters and moments were cut over DP=2: less 2 x (2.24 + 4.47) for actor and critic
+    assert "peak        update actor: 59.45 GiB" in trainer_part and "vLLM" not in trainer_part
     assert re.search(r"received bucket +- +1\.96\n", rollout_part), rollout_part
     assert "peak        rollout: 50.00 GiB" in rollout_part and "verdict     fits" in rollout_part

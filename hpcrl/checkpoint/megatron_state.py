@@ -17,6 +17,11 @@ way the HF weights were loaded in the first place: the saved TP shards of one un
 layer, final norm + head) are joined into HF-named full tensors (`megatron_to_hf_partial`) and cut
 for the new layout (`hf_to_megatron`). Optimizer moments have their parameter's shape, so they
 travel the same way. Only one unit is held at full size at a time.
+
+With the optimizer state sharded over DP (`actor.optim.shard_over_dp`, hpcrl.engines.megatron.
+optim_shards), the writer (DP replica 0) receives the other replicas' moments and masters at save
+time: the file holds the whole state, as without sharding, and loads either way; a load keeps each
+rank's own share.
 """
 
 from __future__ import annotations
@@ -75,11 +80,15 @@ class ShardState:
 
 
 # saving ----------------------------------------------------------------------------------------
-def engine_state(engine: Any, role: str, model_path: str, copy: bool) -> ShardState:
+def engine_state(engine: Any, role: str, model_path: str, copy: bool,
+                 others: dict[int, dict[str, torch.Tensor]] | None = None) -> ShardState:
     """This rank's shard of `engine` (a MegatronEngine) with its optimizer state, on the CPU.
 
     copy=True takes private copies (async saves: the next step updates the live tensors in place
-    while the writer thread still reads); copy=False aliases CPU tensors (a synchronous save)."""
+    while the writer thread still reads); copy=False aliases CPU tensors (a synchronous save).
+    `others`: with the optimizer state sharded over DP, what the other DP ranks keep
+    (`MegatronEngine.gather_optimizer_state`): the shard holds the whole state either way."""
+    others = others or {}
 
     def cpu(t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
@@ -90,21 +99,24 @@ def engine_state(engine: Any, role: str, model_path: str, copy: bool) -> ShardSt
     named = engine.named_trainable()
     tensors = {f"{PARAM}{SEP}{n}": cpu(p) for n, p in named}
     if engine.master is not None:
-        tensors.update({f"{MASTER}{SEP}{n}": cpu(m) for (n, _), m in zip(named, engine.master)})
+        tensors.update({f"{MASTER}{SEP}{n}": cpu(m if m is not None else others[i][MASTER])
+                        for i, ((n, _), m) in enumerate(zip(named, engine.master, strict=True))})
     optimizer: dict[str, Any] | None = None
     if engine.optimizer is not None:
         groups = engine.optimizer.param_groups
         if len(groups) != 1:
             raise ValueError(f"{len(groups)} optimizer param groups: checkpoints hold the single group "
                              "MegatronEngine builds (AdamW over all parameters)")
-        opt_params = groups[0]["params"]
         per_element: set[str] = set()
         scalar: set[str] = set()
         other: dict[str, dict[str, Any]] = {}
         steps: set[float] = set()
         step_dtype = None
-        for (n, p), q in zip(named, opt_params):
-            for k, v in engine.optimizer.state.get(q, {}).items():
+        for i, (n, p) in enumerate(named):
+            q = engine.optimizer_param(i)
+            state = engine.optimizer.state.get(q, {}) if q is not None else \
+                {k: v for k, v in others.get(i, {}).items() if k != MASTER}
+            for k, v in state.items():
                 if k in (PARAM, MASTER) or SEP in k:
                     raise ValueError(f"optimizer state key {k!r} collides with the checkpoint's naming")
                 if not torch.is_tensor(v):
@@ -172,12 +184,20 @@ def engine_nbytes(engine: Any) -> int:
     """~Bytes this rank's shard of `engine` will take (what engine_state + write_shard write), from
     the live tensors' sizes: nothing is copied, so it is cheap enough to ask before every save."""
     named = engine.named_trainable()
-    tensors = [p for _, p in named] + (list(engine.master) if engine.master is not None else [])
+    weights = [p for _, p in named]
+    state = 0
+    tensors = len(weights) * (1 + (engine.master is not None))
     if engine.optimizer is not None:
-        tensors += [v for st in engine.optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+        # this rank's optimizer state and masters, scaled to every parameter when other DP ranks
+        # keep part of it (the shard holds the whole state)
+        kept = engine.optimizer_state_bytes()
+        owned = sum(p.numel() for i, p in enumerate(weights) if engine.steps_here(i))
+        state = kept * sum(p.numel() for p in weights) // max(owned, 1)
+        tensors += len(weights) * max((len(st) for st in engine.optimizer.state.values()), default=0)
     names = sum(len(n) for n, _ in named)
     # every tensor's header entry, and the metadata JSON (names and shapes of every parameter)
-    return _tensor_bytes(tensors) + len(tensors) * (HEADER_PER_TENSOR + 32) + 2 * names + 16384 + 2 * FILE_SLACK
+    return (_tensor_bytes(weights) + state + tensors * (HEADER_PER_TENSOR + 32) + 2 * names + 16384
+            + 2 * FILE_SLACK)
 
 
 def write_shard(state: ShardState, ckpt_dir: str | Path, role: str) -> list[FileRecord]:
@@ -470,14 +490,18 @@ def apply_state(engine: Any, tensors: dict[str, torch.Tensor], meta: dict[str, A
         for n, p in named:
             p.copy_(tensors[f"{PARAM}{SEP}{n}"])
         if engine.master is not None:
-            for (n, _), m in zip(named, engine.master):
-                m.copy_(tensors[f"{MASTER}{SEP}{n}"])
+            for (n, _), m in zip(named, engine.master, strict=True):
+                if m is not None:  # None: another DP rank keeps this master
+                    m.copy_(tensors[f"{MASTER}{SEP}{n}"])
     opt = meta.get("optimizer")
     if engine.optimizer is not None:
         engine.optimizer.state.clear()
         if opt:
             group = engine.optimizer.param_groups[0]
-            for (n, _), q in zip(named, group["params"]):
+            for i, (n, _) in enumerate(named):
+                q = engine.optimizer_param(i)
+                if q is None:  # another DP rank keeps and steps this parameter's state
+                    continue
                 state: dict[str, Any] = {}
                 for k in [*opt["per_element"], *opt["scalar"]]:
                     t = tensors.get(f"{k}{SEP}{n}")
@@ -584,7 +608,9 @@ class RoleCheckpointer:
         for an async save (collect them with `wait`)."""
         self.wait()
         rank, world = self._rank()
-        shard = engine_state(self.engine, self.role, self.model_path, copy=async_save) \
+        # every DP rank takes part when the optimizer state is sharded: the writer gathers it
+        others = self.engine.gather_optimizer_state()
+        shard = engine_state(self.engine, self.role, self.model_path, copy=async_save, others=others) \
             if self.engine.dp_rank == 0 else None
         key = str(Path(ckpt_dir).resolve())
         rng = None

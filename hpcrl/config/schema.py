@@ -51,6 +51,9 @@ class OptimConfig:
     adam_beta2: float = 0.999  # decay of Adam's second moment
     adam_eps: float = 1e-8  # added to Adam's denominator
     clip_grad: float = 1.0  # clip the global gradient norm to this (0: no clipping)
+    # each DP rank keeps AdamW's moments (and bf16's fp32 masters) of its share of the parameters only,
+    # steps it and sends the result to the others (ZeRO-1); the updates are bit-identical either way
+    shard_over_dp: bool = True
 
 
 @dataclass

@@ -280,6 +280,9 @@ class _Role:
     low_precision: bool  # bf16 weights: fp32 masters and fp32 main_grad buffers
     # parameters the optimizer steps when not all of them (LoRA: the adapters, held besides `params`)
     adapter_params: int | None = None
+    # DP ranks the masters and Adam moments are cut over (optim.shard_over_dp; whole tensors, so a
+    # rank may keep a little more than its even share)
+    optim_shards: int = 1
 
     @property
     def trained(self) -> int:
@@ -291,7 +294,7 @@ class _Role:
 
     @property
     def masters(self) -> int:
-        return self.trained * 4 if self.trains and self.low_precision else 0
+        return -(-self.trained // self.optim_shards) * 4 if self.trains and self.low_precision else 0
 
     @property
     def kept_grads(self) -> int:
@@ -305,7 +308,7 @@ class _Role:
 
     @property
     def adam(self) -> int:
-        return self.trained * 8 if self.trains else 0
+        return -(-self.trained // self.optim_shards) * 8 if self.trains else 0
 
     @property
     def resident(self) -> int:
@@ -413,12 +416,14 @@ def _stage_estimate(run: _Run, stage: int, engines: bool = True) -> tuple[list[P
         from hpcrl.engines.megatron.lora import resolve_targets
 
         adapters = lora_shard_params(policy, lora.rank, resolve_targets(list(lora.target_modules)), tp, pp)
-    actor = _Role("actor", megatron_shard_params(policy, tp, pp, stage), run.dtype_bytes, True, low, adapters)
+    actor = _Role("actor", megatron_shard_params(policy, tp, pp, stage), run.dtype_bytes, True, low, adapters,
+                  optim_shards=max(actor_lay.dp, 1) if cfg.actor.optim.shard_over_dp else 1)
     others: list[_Role] = []
     if "critic" in run.layouts:
         lay = run.layouts["critic"]
         others.append(_Role("critic", megatron_shard_params(critic_shape, lay.tp, lay.pp, stage, head="value"),
-                            run.dtype_bytes, True, low))
+                            run.dtype_bytes, True, low,
+                            optim_shards=max(lay.dp, 1) if cfg.critic.optim.shard_over_dp else 1))
     if "reference" in run.layouts and not lora.rank:
         lay = run.layouts["reference"]
         others.append(_Role("reference", megatron_shard_params(policy, lay.tp, lay.pp, stage), run.dtype_bytes,

@@ -601,7 +601,9 @@ def memory_plan(cfg: DictConfig, args: argparse.Namespace, change: ClusterChange
     for line in model_lines:
         print(line)
     precision = (f"{est.dtype} weights" + ("; fp32 master weights and fp32 gradient buffers" if est.dtype == "bf16"
-                                           else "; fp32 gradients while updating") + "; Adam moments 2 x fp32")
+                                           else "; fp32 gradients while updating") + "; Adam moments 2 x fp32"
+                 + ("; masters and moments cut over the actor's DP ranks (actor.optim.shard_over_dp)"
+                    if cfg.actor.optim.shard_over_dp else ""))
     print(f"precision   {precision}")
     kept = (f"{est.micro_batches_in_flight} kept at once on stage {est.stage} (1F1B)" if est.pipeline_stages > 1
             else "one at a time (no pipeline)")

@@ -96,7 +96,7 @@ class MegatronRole(Worker):
             optim = OptimSettings(lr=o["lr"], min_lr=o["min_lr"], lr_schedule=o["lr_schedule"],
                                   warmup_steps=o["warmup_steps"], weight_decay=o["weight_decay"],
                                   betas=(o["adam_beta1"], o["adam_beta2"]), eps=o["adam_eps"],
-                                  clip_grad=o["clip_grad"],
+                                  clip_grad=o["clip_grad"], shard_over_dp=o["shard_over_dp"],
                                   total_steps=cfg["trainer"]["total_steps"] * n_mini * section["ppo_epochs"])
         path = model_path or (cfg["critic"].get("model_path") if role == "critic" else None) or cfg["model"]["path"]
         self.model_path = path
@@ -136,6 +136,12 @@ class MegatronRole(Worker):
     def peak_memory(self, reset: bool = True) -> dict[str, float]:
         """This worker process's peak memory (GB) since the last call: hpcrl.workers.memory."""
         return peak_memory(reset)
+
+    @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state and fp32 masters this rank keeps (its DP share when
+        optim.shard_over_dp cuts them over DP)."""
+        return self.engine.optimizer_state_bytes()
 
     def set_temperature(self, temperature: float) -> None:
         """The T of the log-probs' softmax(logits / T) (set from rollout.temperature; tests)."""

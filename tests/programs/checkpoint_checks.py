@@ -292,6 +292,25 @@ def main() -> None:
     res["B_step3_files"] = len(shard_hashes(store_b, ckb3))
     lap("B checks")
 
+    # U: the same layout with every DP rank keeping the whole optimizer state (A and B cut it over
+    # DP: actor.optim.shard_over_dp, the default): A's save loads, and step 3 writes the same bytes
+    # as A's step 3 (the same update; a sharded save and an unsharded one are one format)
+    cfg2_whole = copy.deepcopy(cfg2)
+    cfg2_whole["actor"]["optim"]["shard_over_dp"] = False
+    u = WorkerGroup(MegatronRole, init_kwargs={"cfg": cfg2_whole, "role": "actor"}, name="ckpt-U")
+    res["load_U"] = u.load_checkpoint(str(ck2))
+    res["optimizer_bytes"] = {"sharded": b.optimizer_state_bytes(), "whole": u.optimizer_state_bytes()}
+    res["update_3_U"] = u.update_actor(arranged3)
+    store_u = CheckpointStore(tmp / "u" / "checkpoints")
+    tu3 = store_u.begin(3)
+    cku3 = commit(store_u, 3, tu3, u.save_checkpoint(str(tu3)))
+    tensors_u, tensors_a = ({k: v for k, v in shard_hashes(st, ck).items() if k.endswith(".safetensors")}
+                            for st, ck in ((store_u, cku3), (store, ck3)))
+    res["U_step3_tensors_equal_A"] = len(tensors_a) == 2 and tensors_u == tensors_a
+    # the metadata differs in the setting alone
+    res["U_step3_differences"] = shard_differences(ck3 / "actor", cku3 / "actor")
+    lap("U (optimizer state not sharded) checks")
+
     # D, E: bf16 with fp32 master weights at TP=2: save, load, byte-identical re-save --------------
     cfg2_bf16 = copy.deepcopy(cfg2)
     cfg2_bf16["model"]["dtype"] = "bf16"

@@ -28,6 +28,7 @@ from hpcrl.engines.megatron.lora import (
     read_peft_folder,
 )
 from hpcrl.engines.megatron.model import ModelArch, build_gpt_model, read_arch
+from hpcrl.engines.megatron.optim_shards import OptimizerShards
 from hpcrl.engines.megatron.packing import (
     PackedMicroBatch,
     Unit,
@@ -103,6 +104,9 @@ class OptimSettings:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     clip_grad: float = 1.0
+    # each DP rank keeps and steps the AdamW state (and fp32 masters) of its share of the parameters
+    # only (hpcrl.engines.megatron.optim_shards); the updates are the same either way
+    shard_over_dp: bool = True
 
 
 def lr_factor(step: int, s: OptimSettings) -> float:
@@ -222,16 +226,24 @@ class MegatronEngine:
         self.nonfinite_in_a_row = 0  # optimizer steps skipped for a non-finite gradient, since the last good one
         # bf16 weights get fp32 master copies for the optimizer (as megatron's mixed-precision
         # optimizer does): Adam's small updates vanish when added to bf16 weights directly.
-        self.master: list[torch.nn.Parameter] | None = None
+        # (the masters of the parameters this rank steps: None at the others' places, see `shards`)
+        self.master: list[torch.nn.Parameter | None] | None = None
+        # ZeRO-1: which DP rank keeps and steps which trainable parameter; None when this rank steps all
+        self.shards: OptimizerShards | None = None
         # Gradients of the last train_step before clipping, HF-named per step, when a test asks
         # (`record_grads = []`): the reference-step tests compare them with an independent PPO step.
         self.record_grads: list[dict[str, torch.Tensor]] | None = None
         if optim is not None:
-            params = list(self.trainable)
+            # (fewer tensors than DP ranks would leave a rank with nothing to step: not cut then)
+            if optim.shard_over_dp and 1 < self.dp_size <= len(self.trainable):
+                self.shards = OptimizerShards([p.numel() for p in self.trainable], ps.get_data_parallel_group())
+            owned = [self.steps_here(i) for i in range(len(self.trainable))]
+            params = [p for p, mine in zip(self.trainable, owned, strict=True) if mine]
             if self.options.dtype != torch.float32:
-                self.master = [torch.nn.Parameter(p.detach().float().clone()) for p in params]
-                self._add_fp32_grad_buffers(params)
-                params = self.master
+                self.master = [torch.nn.Parameter(p.detach().float().clone()) if mine else None
+                               for p, mine in zip(self.trainable, owned, strict=True)]
+                self._add_fp32_grad_buffers(list(self.trainable))
+                params = [m for m in self.master if m is not None]
             # fused: one pass over each tensor instead of one per arithmetic op (CPU and CUDA). On the
             # demo model, one core: 0.92 s -> 0.18 s per optimizer step (measured), the same updates
             # up to float rounding.
@@ -249,6 +261,44 @@ class MegatronEngine:
         for p in params:
             p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
             p.register_post_accumulate_grad_hook(accumulate)
+
+    def steps_here(self, index: int) -> bool:
+        """Whether this rank keeps the optimizer state of trainable parameter `index` and steps it."""
+        return self.shards is None or self.shards.owns(index)
+
+    def optimizer_param(self, index: int) -> torch.nn.Parameter | None:
+        """What the optimizer steps for trainable parameter `index` (its fp32 master, or itself); None
+        where another DP rank steps it."""
+        if not self.steps_here(index):
+            return None
+        return self.master[index] if self.master is not None else self.trainable[index]
+
+    def optimizer_state_bytes(self) -> int:
+        """Bytes of optimizer state and fp32 masters this rank holds."""
+        state = [v for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v)] \
+            if self.optimizer is not None else []
+        masters = [m for m in self.master or [] if m is not None]
+        return sum(t.numel() * t.element_size() for t in state + masters)
+
+    def gather_optimizer_state(self) -> dict[int, dict[str, torch.Tensor]] | None:
+        """With the state sharded over DP (collective over the DP group): on DP rank 0, the optimizer
+        state of the trainable parameters other ranks step, by index, with their fp32 master under
+        "master"; None on the other ranks, and everywhere when this rank steps every parameter."""
+        if self.shards is None or self.optimizer is None:
+            return None
+        local: dict[int, dict[str, torch.Tensor]] = {}
+        for i in range(len(self.trainable)):
+            q = self.optimizer_param(i)
+            if q is None:
+                continue
+            state = self.optimizer.state.get(q, {})
+            odd = [k for k, v in state.items() if not torch.is_tensor(v)]
+            if odd:
+                raise ValueError(f"optimizer state {odd} is not a tensor: it cannot be gathered over DP; "
+                                 "set actor.optim.shard_over_dp=false")
+            local[i] = {**state, **({"master": self.master[i]} if self.master is not None else {})}
+        every = self.shards.gather_to_first(local)
+        return None if every is None else {i: v for i, v in every.items() if not self.steps_here(i)}
 
     def _grad(self, p: torch.nn.Parameter) -> torch.Tensor | None:
         """The gradient the optimizer steps with: fp32 `main_grad` with masters, else `.grad`."""
@@ -434,7 +484,8 @@ class MegatronEngine:
             if hasattr(p, "main_grad"):
                 p.main_grad = to(p.main_grad)
         for m in self.master or []:
-            m.data = to(m.data)
+            if m is not None:
+                m.data = to(m.data)
         if self.optimizer is not None:
             for state in self.optimizer.state.values():
                 for k, v in state.items():
@@ -657,12 +708,16 @@ class MegatronEngine:
                 group["lr"] = self.optim.lr * lr_factor(self.step_count, self.optim)
             if self.master is not None:
                 for p, m in zip(self.trainable, self.master, strict=True):
-                    m.grad = p.main_grad  # fp32 already: the masters step with it, no copy
+                    if m is not None:
+                        m.grad = p.main_grad  # fp32 already: the masters step with it, no copy
             self.optimizer.step()
             if self.master is not None:
                 with torch.no_grad():
                     for p, m in zip(self.trainable, self.master, strict=True):
-                        p.copy_(m)
+                        if m is not None:
+                            p.copy_(m)
+            if self.shards is not None:
+                self.shards.broadcast_stepped(self.trainable)
             self.step_count += 1
         else:
             log.warning("rank %d: optimizer step %d skipped, gradient norm %s (%d in a row)",
@@ -671,8 +726,8 @@ class MegatronEngine:
         # allocated (a model's size) through the rollout that follows the update
         for p in self.model.parameters():
             p.grad = None
-        if self.master is not None:
-            for m in self.master:
+        for m in self.master or []:
+            if m is not None:
                 m.grad = None  # an alias of main_grad, which stays (zeroed by the next step)
         return {**self._sum_metrics(store), "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"],
                 "nonfinite_skipped": float(not finite), "nonfinite_in_a_row": float(self.nonfinite_in_a_row)}
