@@ -119,10 +119,11 @@ def test_batch_arithmetic() -> None:
 
 def test_choices_ranges_and_all_problems_reported_together() -> None:
     problems = problems_of("algorithm.adv_estimator=ppo", "rollout.top_p=0", "slurm.time=2h",
-                           "reward.function=not a function")
+                           "reward.function=not a function", "actor.minibatch_by=group")
     keys = [p.split("=")[0] for p in problems]
-    assert keys == ["algorithm.adv_estimator", "rollout.top_p", "slurm.time", "reward.function"], problems
-    assert "gae, grpo, rloo" in problems[0]
+    assert keys == ["actor.minibatch_by", "algorithm.adv_estimator", "rollout.top_p", "slurm.time",
+                    "reward.function"], problems
+    assert "prompt, sample" in problems[0] and "gae, grpo, rloo" in problems[1]
 
 
 def test_gae_without_critic_is_refused() -> None:

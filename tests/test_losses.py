@@ -176,6 +176,29 @@ def test_minibatches_shuffle_prompts_with_their_samples_together() -> None:
             assert all(int((part == g).sum()) in (0, n) for g in range(prompts)), part
 
 
+def test_minibatches_by_sample_deal_out_each_prompts_samples() -> None:
+    """actor.minibatch_by=sample (group_key=None): the shuffle permutes samples, as TRL's GRPOTrainer
+    does, so a prompt's samples land in different mini-batches; the same seed cuts the same ones."""
+    from hpcrl.controller.batch import Batch
+    from hpcrl.workers.batching import arrange_minibatches, minibatch_rows
+
+    n, prompts, n_mb, dp = 4, 8, 2, 2
+    groups = [p for p in range(prompts) for _ in range(n)]
+    mask = torch.ones(len(groups), 3)
+    batch = Batch({"row": torch.arange(len(groups)), "prompt_index": torch.tensor(groups), "response_mask": mask})
+    by_sample = arrange_minibatches(batch, n_mb, dp, "token-mean", shuffle_seed=3, group_key=None)
+    by_prompt = arrange_minibatches(batch, n_mb, dp, "token-mean", shuffle_seed=3)
+    rows = minibatch_rows(len(groups), n_mb, shuffle_seed=3)  # the per-sample permutation
+    shards = by_sample["row"].chunk(dp)
+    for k in range(n_mb):
+        assert sorted(int(r) for s in shards for r in s.chunk(n_mb)[k]) == sorted(rows[k])
+    split = [g for g in range(prompts) if 0 < sum(groups[i] == g for i in rows[0]) < n]
+    assert split, "no prompt's samples were dealt to two mini-batches"
+    assert not torch.equal(by_sample["row"], by_prompt["row"])
+    assert torch.equal(by_sample["row"], arrange_minibatches(batch, n_mb, dp, "token-mean", shuffle_seed=3,
+                                                             group_key=None)["row"])
+
+
 def test_shuffled_minibatches_are_seeded_and_weighted_per_minibatch() -> None:
     from hpcrl.controller.batch import Batch
     from hpcrl.workers.batching import arrange_minibatches, minibatch_rows

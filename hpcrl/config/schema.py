@@ -87,6 +87,10 @@ class ActorConfig:
     # together (seed: trainer.seed and the step, so a resumed run cuts the same ones); false: in
     # rollout order (prompt by prompt).
     shuffle_minibatches: bool = True
+    # What the actor's shuffle deals out: "prompt" (each prompt's samples in one mini-batch and on
+    # one rank, where the prompt is packed once: verl counts mini-batches in prompts) or "sample"
+    # (every sample on its own, as TRL's GRPOTrainer shuffles them)
+    minibatch_by: str = "prompt"
     # Where the PPO ratio's old log-probs come from. auto: a separate actor forward, except when
     # the update is on-policy (one mini-batch, one epoch, no KL in the reward), where the update's
     # own detached log-probs are used (ratio 1: the same update, one forward less); recompute:

@@ -26,6 +26,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "actor.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"),
     "actor.kl_loss_type": ("k1", "k2", "k3"),
     "actor.old_logprob": ("auto", "recompute", "rollout"),
+    "actor.minibatch_by": ("prompt", "sample"),
     "algorithm.name": ("ppo", "dpo"),
     "algorithm.dpo.loss_type": ("sigmoid", "ipo"),
     "algorithm.adv_estimator": ("gae", "grpo", "rloo", "reinforce_plus_plus",

@@ -416,7 +416,8 @@ class PPOTrainer:
         n_mb = samples // a.ppo_mini_batch_size
         with timer("update_actor"):
             arranged = arrange_minibatches(batch, n_mb, self.dp_size, a.loss_agg_mode,
-                                           shuffle_seed=self._shuffle_seed(step, "actor"))
+                                           shuffle_seed=self._shuffle_seed(step, "actor"),
+                                           group_key="prompt_index" if a.minibatch_by == "prompt" else None)
             if old_source == "recompute":  # the gap was measured by the separate forward
                 arranged.tensors.pop("rollout_logprob")
             out = self.actor.update_actor(arranged, num_minibatches=n_mb, epochs=a.ppo_epochs)

@@ -61,12 +61,13 @@ def minibatch_rows(b: int, num_minibatches: int, shuffle_seed: int | None = None
 
 def arrange_minibatches(batch: Batch, num_minibatches: int, dp_size: int, loss_agg_mode: str,
                         mask_key: str = "response_mask", shuffle_seed: int | None = None,
-                        group_key: str = "prompt_index") -> Batch:
+                        group_key: str | None = "prompt_index") -> Batch:
     """Reorder a step's batch so that the DP split gives every rank an equal part of every
     mini-batch, and attach per-token loss weights normalised over each whole mini-batch.
 
     Mini-batch k is `minibatch_rows(...)[k]` (rows [k*M, (k+1)*M) of the input, M = B /
-    num_minibatches, or of its seeded shuffle: by prompt when the batch has `group_key`). After
+    num_minibatches, or of its seeded shuffle: by prompt when the batch has `group_key`, by sample
+    when group_key is None). After
     the reordering, DP shard d (contiguous, as DP dispatch cuts it) holds, in order, part d of
     mini-batch 0, part d of mini-batch 1, ...; a rank cuts its shard into num_minibatches
     contiguous chunks. Because the weights are global, the update is the same for any DP size.
@@ -76,7 +77,7 @@ def arrange_minibatches(batch: Batch, num_minibatches: int, dp_size: int, loss_a
         raise ValueError(f"{b} samples do not split into {num_minibatches} mini-batches of equal parts "
                          f"over {dp_size} data-parallel ranks")
     if shuffle_seed is not None:
-        groups = batch[group_key].tolist() if group_key in batch.keys() else None
+        groups = batch[group_key].tolist() if group_key is not None and group_key in batch.keys() else None
         batch = batch.select([i for rows in minibatch_rows(b, num_minibatches, shuffle_seed, groups) for i in rows])
     m = b // num_minibatches
     part = m // dp_size
