@@ -233,7 +233,7 @@ def test_cli_70b_fits_on_32_nodes_and_not_on_4() -> None:
     assert "verdict     fits" in r.stdout and "llama3-70b.json (--model-config)" in r.stdout
     # the masters and moments cut over DP=4: generating (vLLM's weights and KV cache) is the peak
     assert "GiB per GPU, pipeline stage 0 of 8" in r.stdout and "peak        rollout: 62.30 GiB" in r.stdout
-    assert "cut over the actor's DP ranks (actor.optim.shard_over_dp)" in r.stdout
+    assert "cut over the actor's 4 DP ranks (actor.optim.shard_over_dp)" in r.stdout
     assert "holds at least one full sequence" in r.stdout
 
     r = _plan("--nodes", "4", "--gpus-per-node", "8", "--gpu-mem", "80")

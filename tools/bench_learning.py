@@ -57,7 +57,8 @@ DIFFERENCES = [
     "generation: hpcrl samples with vLLM (CPU), TRL with HF generate; different random streams, so the "
     "sampled completions (and the curves) differ even from the same weights",
     "mini-batches: hpcrl cuts them from a seeded shuffle of the prompts, each prompt's samples together "
-    "(actor.shuffle_minibatches, actor.share_prompt); TRL from a shuffle of the samples",
+    "(actor.shuffle_minibatches, actor.share_prompt); TRL from a shuffle of the samples (hpcrl's "
+    "actor.minibatch_by=sample cuts them that way, at the cost of packing a prompt more than once)",
     "old log-probs: hpcrl takes vLLM's (the demo config's actor.old_logprob: rollout; equal to the "
     "actor's within ~1e-5 in fp32), TRL computes them with a forward of its model",
     "advantage epsilon: (r - mean) / (std + 1e-6) in hpcrl, (std + 1e-4) in TRL (unbiased std in both)",

@@ -20,7 +20,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from hpcrl.config import ConfigError, critic_enabled, reference_enabled, validate, world_size
+from hpcrl.config import ConfigError, critic_enabled, reference_enabled, role_layouts, validate, world_size
 from hpcrl.config.validate import is_split, trainer_world_size
 from hpcrl.plan.memory import (
     GB,
@@ -600,10 +600,11 @@ def memory_plan(cfg: DictConfig, args: argparse.Namespace, change: ClusterChange
         print(f"note        {note}")
     for line in model_lines:
         print(line)
+    dp = role_layouts(cfg)["actor"].dp
     precision = (f"{est.dtype} weights" + ("; fp32 master weights and fp32 gradient buffers" if est.dtype == "bf16"
                                            else "; fp32 gradients while updating") + "; Adam moments 2 x fp32"
-                 + ("; masters and moments cut over the actor's DP ranks (actor.optim.shard_over_dp)"
-                    if cfg.actor.optim.shard_over_dp else ""))
+                 + (f"; masters and moments cut over the actor's {dp} DP ranks (actor.optim.shard_over_dp)"
+                    if cfg.actor.optim.shard_over_dp and dp > 1 else ""))
     print(f"precision   {precision}")
     kept = (f"{est.micro_batches_in_flight} kept at once on stage {est.stage} (1F1B)" if est.pipeline_stages > 1
             else "one at a time (no pipeline)")
