@@ -138,6 +138,14 @@ def test_no_two_samples_share_a_random_stream(checks: dict) -> None:
     assert s["distinct_of_first_prompt"] == 4, s  # both copies' 2 samples all differ
 
 
+def test_seeded_sampling_over_the_engine_token_budget(checks: dict) -> None:
+    """A seeded call whose prompts exceed vLLM's max_num_batched_tokens on every replica completes
+    (it crashed in vLLM's chunked prefill on CPU: 'CPU Generator does not use offset')."""
+    b = checks["over_token_budget"]
+    assert b["prompt_tokens"] > 4096 * b["replicas"], b  # the budget is exceeded on each replica
+    assert b["rows"] == 320 and b["prompt_order"] and b["min_response_len"] >= 1, b
+
+
 def test_multi_turn_rows_are_what_vllm_was_fed_and_wrote(checks: dict) -> None:
     """The multi-turn loop on the 4 replicas (toy marker format: a turn that writes "e" calls
     text_stats; hpcrl/agents/toy.py), each row checked position by position in rollout_checks.py."""

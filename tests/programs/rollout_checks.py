@@ -409,6 +409,17 @@ def main() -> None:
                       "min_len": int(dup["response_mask"].sum(-1).min())}
     timed("temperature and streams", t0)
 
+    # more prompt tokens in one seeded call than vLLM's max_num_batched_tokens (4096) on each of the
+    # 4 replicas: with chunked prefill vLLM rewound the random generator of a partly prefilled request,
+    # which a CPU generator cannot do, and the call crashed (RolloutEngine turns chunked prefill off)
+    t0 = time.time()
+    many = prompt_ids(TINY, 320)
+    big = generate(group, many, SamplingSettings(n=1, temperature=1.0, max_new_tokens=2, seed=3))
+    res["over_token_budget"] = {"prompt_tokens": sum(len(p) for p in many), "replicas": 4, "rows": len(big),
+                                "prompt_order": big["prompt_index"].tolist() == list(range(len(many))),
+                                "min_response_len": int(big["response_mask"].sum(-1).min())}
+    timed("prompts over the token budget", t0)
+
     # multi-turn rollout with a tool, on the same 4 replicas
     t0 = time.time()
     res["multi_turn"] = multi_turn_checks(group, tok, prompts[:6])

@@ -131,6 +131,12 @@ class RolloutEngine:
         if not torch.cuda.is_available():
             kwargs["kv_cache_memory_bytes"] = int(cpu_kv_cache_gib * (1 << 30))
             kwargs["block_size"] = CPU_BLOCK_SIZE
+            # Whole prompts only on CPU. A prompt prefilled over several engine steps (chunked
+            # prefill, when a call's prompts exceed max_num_batched_tokens) has the token sampled at
+            # each partial step thrown away, and vLLM rewinds the request's random generator for it
+            # with Generator.set_offset, which CPU generators lack ("CPU Generator does not use
+            # offset"): a seeded generate with more than 4096 prompt tokens on a replica crashed.
+            kwargs["enable_chunked_prefill"] = False
         # GPU: sleep mode lets the trainer and the engine take turns with the device memory;
         # vLLM has no sleep mode on CPU, where hpcrl.engines.vllm.cpu_sleep does its part.
         if torch.cuda.is_available():
