@@ -51,6 +51,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = "configs/grpo_smollm2.yaml"
+nan = float("nan")
 STEP_LINE = re.compile(r"(step \d+/\d+|validation after|worker groups ready|Traceback|Error)")
 
 DIFFERENCES = [
@@ -76,6 +77,15 @@ def _score(compute_score, data_source: str, text: str, truth: str, ids: list[int
     """hpcrl's rule: truncated = hit max_new_tokens without ending on EOS (as PPOTrainer.score)."""
     truncated = len(ids) >= max_new and (not ids or ids[-1] != eos)
     return compute_score(data_source, text, truth, format_weight=format_weight, truncated=truncated)
+
+
+def _trl_grad_norms(steps: list[dict], logs: list[dict], per: int) -> None:
+    """Each step's gradient norm before clipping from TRL's log records (one per optimizer step): the
+    mean over the step's `per` optimizer steps, as hpcrl's actor/grad_norm."""
+    norms = [x["grad_norm"] for x in logs if "grad_norm" in x]
+    for k, st in enumerate(steps):
+        mine = norms[k * per:(k + 1) * per]
+        st["grad_norm"] = statistics.fmean(mine) if len(mine) == per else nan
 
 
 # ---------------------------------------------------------------- TRL side (runs in .venv-trl)
@@ -202,13 +212,14 @@ def trl_child(spec: dict) -> dict:
         steps.append({"step": k + 1, "time_s": sum(x["time_s"] for x in s), "tokens": tokens, **rollouts[k],
                       "phases": {"opt step with generation": s[0]["time_s"],
                                  "opt steps without": sum(x["time_s"] for x in s[1:])}})
+    _trl_grad_norms(steps, timer.logs, per)
     logged_step_time = [x["step_time"] for x in timer.logs if "step_time" in x]
     return {"versions": {"trl": trl.__version__, "transformers": transformers.__version__,
                          "torch": torch.__version__},
             "load_s": load_s, "train_wall_s": train_wall_s, "val_before": val_before, "val_after": val_after,
             "steps": steps, "prompt_ids_mismatched": mismatched, "threads": torch.get_num_threads(),
             "trl_logged_step_time_sum": sum(logged_step_time), "trl_logged_num_tokens": seen,
-            "rollout_calls": len(rollouts)}
+            "rollout_calls": len(rollouts), "trl_logs": timer.logs}
 
 
 # ---------------------------------------------------------------- driver (runs in .venv)
@@ -340,7 +351,7 @@ def _read_hpcrl(run_dir: str, n_steps: int) -> dict:
         out.append({"step": m["step"], "time_s": step_s - m.get("time/validate", 0.0),
                     "tokens": m["throughput/tokens_per_s"] * step_s, "reward_mean": m["reward/mean"],
                     "acc": m.get("reward/acc", float("nan")), "response_length_mean": m["response_length/mean"],
-                    "validate_s": m.get("time/validate", 0.0),
+                    "validate_s": m.get("time/validate", 0.0), "grad_norm": m.get("actor/grad_norm", float("nan")),
                     "phases": {k[5:]: v for k, v in m.items() if k.startswith("time/") and k not in
                                ("time/step", "time/validate", "time/to_training")}})
     return {"steps": out, "val_before": val[0], "val_after": val[n_steps]}
@@ -392,15 +403,19 @@ def _report(args: argparse.Namespace, h: dict, r: dict, load: tuple[float, float
         print(f"WARNING: {r['prompt_ids_mismatched']} prompts tokenize differently under TRL's transformers")
     print("\nper-step training rollouts (mean over the step's samples; reward = acc + "
           f"{args.format_weight:g} x format)")
-    print(f"{'step':>4} | {'hpcrl reward':>12} {'acc':>6} {'len':>5} {'time s':>7} {'tokens':>6} | "
-          f"{'TRL reward':>10} {'acc':>6} {'len':>5} {'time s':>7} {'tokens':>6}")
+    print("(gnorm: the gradient norm before clipping, mean over the step's optimizer steps)")
+    print(f"{'step':>4} | {'hpcrl reward':>12} {'acc':>6} {'len':>5} {'gnorm':>5} {'time s':>7} {'tokens':>6} | "
+          f"{'TRL reward':>10} {'acc':>6} {'len':>5} {'gnorm':>5} {'time s':>7} {'tokens':>6}")
     for a, b in zip(h["steps"], r["steps"], strict=True):
         print(f"{a['step']:>4} | {a['reward_mean']:12.3f} {a['acc']:6.3f} {a['response_length_mean']:5.1f} "
-              f"{a['time_s']:7.1f} {a['tokens']:6.0f} | {b['reward_mean']:10.3f} {b['acc']:6.3f} "
-              f"{b['response_length_mean']:5.1f} {b['time_s']:7.1f} {b['tokens']:6.0f}")
-    mean = lambda s, k: statistics.fmean(x[k] for x in s)
-    print(f"{'mean':>4} | {mean(h['steps'], 'reward_mean'):12.3f} {mean(h['steps'], 'acc'):6.3f} {'':5} "
-          f"{'':7} {'':6} | {mean(r['steps'], 'reward_mean'):10.3f} {mean(r['steps'], 'acc'):6.3f}")
+              f"{a.get('grad_norm', nan):5.2f} {a['time_s']:7.1f} {a['tokens']:6.0f} | {b['reward_mean']:10.3f} "
+              f"{b['acc']:6.3f} {b['response_length_mean']:5.1f} {b.get('grad_norm', nan):5.2f} {b['time_s']:7.1f} "
+              f"{b['tokens']:6.0f}")
+    mean = lambda s, k: statistics.fmean(x.get(k, nan) for x in s)
+    print(f"{'mean':>4} | {mean(h['steps'], 'reward_mean'):12.3f} {mean(h['steps'], 'acc'):6.3f} "
+          f"{mean(h['steps'], 'response_length_mean'):5.1f} {mean(h['steps'], 'grad_norm'):5.2f} {'':7} {'':6} | "
+          f"{mean(r['steps'], 'reward_mean'):10.3f} {mean(r['steps'], 'acc'):6.3f} "
+          f"{mean(r['steps'], 'response_length_mean'):5.1f} {mean(r['steps'], 'grad_norm'):5.2f}")
 
     hb, ha, tb, ta = h["val_before"]["acc"], h["val_after"]["acc"], r["val_before"]["acc"], r["val_after"]["acc"]
     k = int(h["val_before"].get("samples", args.val_samples))
@@ -490,6 +505,18 @@ def _summary(rounds: list[dict]) -> None:
           f"{m(0, 'val_reward_before'):6.3f}->{m(0, 'val_reward_after'):.3f} | {m(1, 'train_reward'):9.3f} "
           f"{m(1, 'val_acc_before'):6.3f}->{m(1, 'val_acc_after'):.3f} "
           f"{m(1, 'val_reward_before'):6.3f}->{m(1, 'val_reward_after'):.3f} |")
+    if len(rows) > 1:
+        # the rounds pair the two sides by seed (same prompts, same validation rows): the mean of the
+        # per-seed differences with its standard error tells a real difference from seed-to-seed noise
+        print("hpcrl - TRL per seed, mean +- standard error (a mean within 2 standard errors of 0 is not a "
+              "difference these seeds can show):")
+        for key, label in (("train_reward", "training reward"), ("val_reward_after", "validation reward after")):
+            d = [row[0][key] - row[1][key] for row in rows]
+            se = statistics.stdev(d) / len(d) ** 0.5
+            print(f"  {label}: " + " ".join(f"{x:+.3f}" for x in d) + f" -> {statistics.fmean(d):+.3f} +- {se:.3f}")
+    norms = [[x.get("grad_norm", nan) for rd in rounds for x in rd[side]["steps"]] for side in ("hpcrl", "trl")]
+    print("gradient norm before clipping, mean over the steps of all rounds (a check of the loss scale): "
+          f"hpcrl {statistics.fmean(norms[0]):.3f}, TRL {statistics.fmean(norms[1]):.3f}")
     print(f"goals (mean of {len(rows)} round(s))")
     for key, label in (("train_reward", f"training reward, {_tail_label(h0)}"),
                        ("val_reward_after", "validation reward after training")):
@@ -513,6 +540,8 @@ def _read_kept(round_dir: str) -> dict:
         spec = json.load(f)
     with open(os.path.join(round_dir, "trl.json")) as f:
         r = json.load(f)
+    if "trl_logs" in r:  # rounds kept before the per-step norms were recorded
+        _trl_grad_norms(r["steps"], r["trl_logs"], spec["hparams"]["opt_steps_per_step"])
     h = _read_hpcrl(os.path.join(round_dir, "hpcrl"), spec["steps"])
     return {"seed": spec["seed"], "hpcrl": h, "trl": r,
             "ratio": _throughput(h["steps"], True) / _throughput(r["steps"], True)}
