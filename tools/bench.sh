@@ -6,6 +6,7 @@
 #   tools/bench_learning.py    GRPO learning curves + tokens/s vs TRL's GRPOTrainer (TRL in .venv-trl)
 #   tools/bench_dpo.py         DPO tokens/s + held-out preference accuracy vs TRL's DPOTrainer (.venv-trl)
 #   tools/bench_async.py       colocated vs split vs split one-step-off steps/s, with a timeline PNG
+#   tools/bench_sampler.py     hpcrl's rollout sampler vs HF generate, both against the model's distribution
 # BENCH_LEARNING_ARGS: extra flags for bench_learning.py (e.g. "--steps 10 --val-samples 64");
 # BENCH_LEARNING=0 skips it (the long one: --steps 3 --val-samples 16 took 22 min on 2 busy cores;
 # the defaults, 5 steps and 32 prompts, need about twice that).
