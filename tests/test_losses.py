@@ -197,6 +197,16 @@ def test_minibatches_by_sample_deal_out_each_prompts_samples() -> None:
     assert not torch.equal(by_sample["row"], by_prompt["row"])
     assert torch.equal(by_sample["row"], arrange_minibatches(batch, n_mb, dp, "token-mean", shuffle_seed=3,
                                                              group_key=None)["row"])
+    # inside a mini-batch a prompt's samples sit on one rank, but for at most one prompt per cut
+    # between two ranks: a prompt is packed about once per mini-batch, not once per (mini-batch, rank)
+    shards = by_sample["prompt_index"].chunk(dp)
+    parts = [[[int(g) for g in s.chunk(n_mb)[k]] for s in shards] for k in range(n_mb)]  # [mini-batch][rank]
+    for k in range(n_mb):
+        on_ranks = sum(len(set(p)) for p in parts[k])
+        assert on_ranks <= len(set(groups[i] for i in rows[k])) + dp - 1, parts
+    m = len(rows[0]) // dp  # the permutation's order cut into ranks as it falls, for comparison
+    dealt = [[groups[r] for r in rows[k][d * m:(d + 1) * m]] for k in range(n_mb) for d in range(dp)]
+    assert sum(len(set(p)) for mb in parts for p in mb) < sum(len(set(p)) for p in dealt)
 
 
 def test_shuffled_minibatches_are_seeded_and_weighted_per_minibatch() -> None:

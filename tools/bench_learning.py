@@ -28,7 +28,9 @@ temperature 1.0, top_p 1, no top-k; AdamW lr 1e-5 constant, no warm-up, betas (0
 weight decay 0, grad-norm clip 1.0; KL beta 0 (no reference model); PPO clip 0.2 both sides, no dual
 clip; token-mean loss over each 16-sample mini-batch [loss_type "bnpo": sum of token losses / token
 count of the local batch, which with one process and no gradient accumulation is exactly that
-mini-batch; "dapo" divides by the generation batch's token count / 2, equal only on average]; group
+mini-batch; "dapo" divides by the generation batch's token count / 2, equal only on average], the
+mini-batches cut from a shuffle of the samples [TRL's way; hpcrl's actor.minibatch_by=sample, which
+--minibatch-by prompt turns back to hpcrl's default]; group
 std-normalised advantages [scale_rewards "group"]; fp32 [bf16 False]; no gradient checkpointing
 (TRL's default is on); same prompts in the same order (the bench hands TRL the train rows in the
 order hpcrl's sampler draws them, shuffle_dataset False); same chat template (prompt token ids
@@ -54,12 +56,17 @@ CONFIG = "configs/grpo_smollm2.yaml"
 nan = float("nan")
 STEP_LINE = re.compile(r"(step \d+/\d+|validation after|worker groups ready|Traceback|Error)")
 
+MINIBATCH = {
+    "sample": "both cut them from a shuffle of the samples, with different random streams (hpcrl: "
+              "--minibatch-by sample); inside a mini-batch hpcrl puts a prompt's samples on one rank, where it "
+              "packs the prompt once (the order inside a mini-batch does not change the update)",
+    "prompt": "hpcrl cuts them from a seeded shuffle of the prompts, each prompt's samples together "
+              "(--minibatch-by prompt, hpcrl's default); TRL from a shuffle of the samples",
+}
 DIFFERENCES = [
     "generation: hpcrl samples with vLLM (CPU), TRL with HF generate; different random streams, so the "
     "sampled completions (and the curves) differ even from the same weights",
-    "mini-batches: hpcrl cuts them from a seeded shuffle of the prompts, each prompt's samples together "
-    "(actor.shuffle_minibatches, actor.share_prompt); TRL from a shuffle of the samples (hpcrl's "
-    "actor.minibatch_by=sample cuts them that way, at the cost of packing a prompt more than once)",
+    "mini-batches: {minibatch}",
     "old log-probs: hpcrl takes vLLM's (the demo config's actor.old_logprob: rollout; equal to the "
     "actor's within ~1e-5 in fp32), TRL computes them with a forward of its model",
     "advantage epsilon: (r - mean) / (std + 1e-6) in hpcrl, (std + 1e-4) in TRL (unbiased std in both)",
@@ -240,7 +247,7 @@ def _overrides(args: argparse.Namespace, run_dir: str) -> list[str]:
             f"data.seed={args.seed}", f"trainer.seed={args.seed}", "checkpoint.save_every=0",
             "logging.tensorboard=false",
             f"rollout.cpu_kv_cache_gib={'null' if args.kv_cache_gib is None else args.kv_cache_gib}",
-            f"actor.micro_batch_tokens={args.micro_batch_tokens}"]
+            f"actor.micro_batch_tokens={args.micro_batch_tokens}", f"actor.minibatch_by={args.minibatch_by}"]
 
 
 def _prepare(args: argparse.Namespace, overrides: list[str]) -> dict:
@@ -354,7 +361,9 @@ def _read_hpcrl(run_dir: str, n_steps: int) -> dict:
                     "validate_s": m.get("time/validate", 0.0), "grad_norm": m.get("actor/grad_norm", float("nan")),
                     "phases": {k[5:]: v for k, v in m.items() if k.startswith("time/") and k not in
                                ("time/step", "time/validate", "time/to_training")}})
-    return {"steps": out, "val_before": val[0], "val_after": val[n_steps]}
+    cut = re.search(r"^\s*minibatch_by:\s*(\w+)", open(os.path.join(run_dir, "config.yaml")).read(), re.M)
+    return {"steps": out, "val_before": val[0], "val_after": val[n_steps],
+            "minibatch_by": cut.group(1) if cut else "prompt"}  # runs from before the option cut by prompt
 
 
 def _run_trl(args: argparse.Namespace, tmp: str, prepared: dict, env: dict) -> dict:
@@ -462,7 +471,8 @@ def _report(args: argparse.Namespace, h: dict, r: dict, load: tuple[float, float
     import transformers
 
     for line in DIFFERENCES:
-        print(f"  - {line}".format(hpcrl_tf=transformers.__version__, trl_tf=v["transformers"]))
+        print(f"  - {line}".format(hpcrl_tf=transformers.__version__, trl_tf=v["transformers"],
+                                   minibatch=MINIBATCH[h["minibatch_by"]]))
 
 
 def _tail(side: dict) -> list[dict]:
@@ -567,6 +577,9 @@ def main() -> None:
                         "at the config's 1024 a worker reached 8.9 GB in the update and was OOM-killed here")
     p.add_argument("--kv-cache-gib", type=float, default=None,
                    help="hpcrl's vLLM CPU KV cache per worker in GiB (default: sized to the step by hpcrl)")
+    p.add_argument("--minibatch-by", choices=("sample", "prompt"), default="sample",
+                   help="hpcrl's actor.minibatch_by: sample (default: TRL's cut) or prompt (hpcrl's default: each "
+                        "prompt's samples in one mini-batch, faster, more seed-to-seed spread)")
     p.add_argument("--trl-threads", type=int, default=0, help="TRL torch threads (default: = --workers)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--seeds", type=int, nargs="+", metavar="SEED",

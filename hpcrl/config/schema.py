@@ -88,8 +88,8 @@ class ActorConfig:
     # rollout order (prompt by prompt).
     shuffle_minibatches: bool = True
     # What the actor's shuffle deals out: "prompt" (each prompt's samples in one mini-batch and on
-    # one rank, where the prompt is packed once: verl counts mini-batches in prompts) or "sample"
-    # (every sample on its own, as TRL's GRPOTrainer shuffles them)
+    # one rank, where the prompt is packed once) or "sample" (every sample on its own, as TRL's
+    # GRPOTrainer shuffles them; inside a mini-batch a prompt's samples still go to one rank)
     minibatch_by: str = "prompt"
     # Where the PPO ratio's old log-probs come from. auto: a separate actor forward, except when
     # the update is on-policy (one mini-batch, one epoch, no KL in the reward), where the update's

@@ -59,6 +59,15 @@ def minibatch_rows(b: int, num_minibatches: int, shuffle_seed: int | None = None
     return [order[k * m:(k + 1) * m] for k in range(num_minibatches)]
 
 
+def gathered_by_group(rows: list[int], groups: list[int]) -> list[int]:
+    """`rows` reordered so that the rows of one group (groups[row]) are adjacent, groups in the
+    order of their first row, rows of a group in their order."""
+    members: dict[int, list[int]] = {}
+    for r in rows:
+        members.setdefault(groups[r], []).append(r)
+    return [r for g in members.values() for r in g]
+
+
 def arrange_minibatches(batch: Batch, num_minibatches: int, dp_size: int, loss_agg_mode: str,
                         mask_key: str = "response_mask", shuffle_seed: int | None = None,
                         group_key: str | None = "prompt_index") -> Batch:
@@ -67,10 +76,14 @@ def arrange_minibatches(batch: Batch, num_minibatches: int, dp_size: int, loss_a
 
     Mini-batch k is `minibatch_rows(...)[k]` (rows [k*M, (k+1)*M) of the input, M = B /
     num_minibatches, or of its seeded shuffle: by prompt when the batch has `group_key`, by sample
-    when group_key is None). After
-    the reordering, DP shard d (contiguous, as DP dispatch cuts it) holds, in order, part d of
-    mini-batch 0, part d of mini-batch 1, ...; a rank cuts its shard into num_minibatches
-    contiguous chunks. Because the weights are global, the update is the same for any DP size.
+    when group_key is None). Inside a mini-batch the samples of one prompt (the batch's
+    "prompt_index", when it has one) are put next to each other, so the DP split keeps them on one
+    rank (all but at most one prompt per cut between two ranks), where the engine packs their
+    prompt once (actor.share_prompt); a cut by sample then repacks a prompt about once per
+    mini-batch it is dealt to, not once per (mini-batch, rank). After the reordering, DP shard d
+    (contiguous, as DP dispatch cuts it) holds, in order, part d of mini-batch 0, part d of
+    mini-batch 1, ...; a rank cuts its shard into num_minibatches contiguous chunks. Because the
+    weights are global, the update is the same for any DP size and any order inside a mini-batch.
     """
     b = len(batch)
     if b % num_minibatches or (b // num_minibatches) % dp_size:
@@ -78,7 +91,11 @@ def arrange_minibatches(batch: Batch, num_minibatches: int, dp_size: int, loss_a
                          f"over {dp_size} data-parallel ranks")
     if shuffle_seed is not None:
         groups = batch[group_key].tolist() if group_key is not None and group_key in batch.keys() else None
-        batch = batch.select([i for rows in minibatch_rows(b, num_minibatches, shuffle_seed, groups) for i in rows])
+        cut = minibatch_rows(b, num_minibatches, shuffle_seed, groups)
+        if "prompt_index" in batch.keys():
+            prompts = batch["prompt_index"].tolist()
+            cut = [gathered_by_group(rows, prompts) for rows in cut]
+        batch = batch.select([i for rows in cut for i in rows])
     m = b // num_minibatches
     part = m // dp_size
     weights = torch.zeros(batch[mask_key].shape, dtype=torch.float32)
