@@ -9,6 +9,8 @@ A rollout batch is a `Batch` of right-padded rows:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from hpcrl.algos.losses import token_weights
@@ -49,23 +51,20 @@ def minibatch_rows(b: int, num_minibatches: int, shuffle_seed: int | None = None
     elif groups is None:
         order = torch.randperm(b, generator=torch.Generator().manual_seed(shuffle_seed)).tolist()
     else:
-        members: dict[int, list[int]] = {}
-        for i, g in enumerate(groups):
-            members.setdefault(g, []).append(i)
-        ids = list(members)  # by first appearance
-        perm = torch.randperm(len(ids), generator=torch.Generator().manual_seed(shuffle_seed)).tolist()
-        order = [i for k in perm for i in members[ids[k]]]
+        members = list(rows_by_group(range(b), groups).values())  # by first appearance
+        perm = torch.randperm(len(members), generator=torch.Generator().manual_seed(shuffle_seed)).tolist()
+        order = [i for k in perm for i in members[k]]
     m = b // num_minibatches
     return [order[k * m:(k + 1) * m] for k in range(num_minibatches)]
 
 
-def gathered_by_group(rows: list[int], groups: list[int]) -> list[int]:
-    """`rows` reordered so that the rows of one group (groups[row]) are adjacent, groups in the
-    order of their first row, rows of a group in their order."""
+def rows_by_group(rows: Iterable[int], groups: list[int]) -> dict[int, list[int]]:
+    """The rows of each group (groups[row]), groups in the order of their first row, rows of a
+    group in their order."""
     members: dict[int, list[int]] = {}
     for r in rows:
         members.setdefault(groups[r], []).append(r)
-    return [r for g in members.values() for r in g]
+    return members
 
 
 def arrange_minibatches(batch: Batch, num_minibatches: int, dp_size: int, loss_agg_mode: str,
@@ -92,9 +91,9 @@ def arrange_minibatches(batch: Batch, num_minibatches: int, dp_size: int, loss_a
     if shuffle_seed is not None:
         groups = batch[group_key].tolist() if group_key is not None and group_key in batch.keys() else None
         cut = minibatch_rows(b, num_minibatches, shuffle_seed, groups)
-        if "prompt_index" in batch.keys():
+        if groups is None and "prompt_index" in batch.keys():  # a cut by sample: put each prompt's samples together
             prompts = batch["prompt_index"].tolist()
-            cut = [gathered_by_group(rows, prompts) for rows in cut]
+            cut = [[r for g in rows_by_group(rows, prompts).values() for r in g] for rows in cut]
         batch = batch.select([i for rows in cut for i in rows])
     m = b // num_minibatches
     part = m // dp_size
