@@ -132,6 +132,18 @@ def test_logprobs_at_temperature_match_the_actor(checks: dict) -> None:
     assert t["gap_actor_at_t1"]["rollout_actor_logprob_gap_mean"] > 1e-2, t
 
 
+def test_vllm_samples_exactly_from_the_tempered_distribution(checks: dict) -> None:
+    """Equal reported log-probs do not make equal draws: vLLM's T=0.7 samples against HF's
+    softmax(logits / 0.7), as a z-score that is ~N(0, 1) when the draws are exact (measured +0.56;
+    samples drawn at 0.5, 0.6, 0.85 and 1.0 gave +0.05, +0.30, +0.54, +0.30 under their own T). With
+    vLLM made to sample at T=1 when asked for 0.7, z was -5.18 and this test failed."""
+    e = checks["temperature"]["exact"]
+    assert e["tokens"] > 2000, e
+    assert abs(e["z"]) < 3.5, e
+    # the power of the check: the same draws under T=1's distribution are far off (measured +6.09)
+    assert e["z_under_t1"] > 5, e
+
+
 def test_no_two_samples_share_a_random_stream(checks: dict) -> None:
     s = checks["streams"]
     assert s["rows"] == 6 and s["min_len"] > 0

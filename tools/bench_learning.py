@@ -204,10 +204,33 @@ def trl_child(spec: dict) -> dict:
     timer = StepTimer()
     trainer = GRPOTrainer(model=model, reward_funcs=arith_reward, args=cfg, train_dataset=train,
                           processing_class=tok, callbacks=[timer])
+    captured: list[dict] = []
+    snapshots: dict[int, dict] = {}
+    if spec.get("capture"):  # tools/bench_update_trl.py: each optimizer step's inputs, in TRL's order,
+        compute_loss = trainer._compute_loss  # and the weights after the steps it names
+
+        class Snapshots(TrainerCallback):
+            def on_step_end(self, args, state, control, model=None, **kwargs):
+                k, rest = divmod(state.global_step, h["opt_steps_per_step"])
+                if not rest and k in spec["capture_steps"]:
+                    snapshots[k] = {n: v.detach().clone() for n, v in model.state_dict().items()}
+
+        trainer.add_callback(Snapshots())
+
+        def capturing_loss(model, inputs):
+            captured.append({k: inputs[k].detach().clone() for k in
+                             ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages",
+                              "old_per_token_logps") if inputs.get(k) is not None})
+            return compute_loss(model, inputs)
+
+        trainer._compute_loss = capturing_loss
     t = time.perf_counter()
     trainer.train()
     train_wall_s = time.perf_counter() - t
     model = trainer.model
+    if spec.get("capture"):
+        torch.save({"minibatches": captured, "weights_after": snapshots,
+                    "grad_norms": [x["grad_norm"] for x in timer.logs if "grad_norm" in x]}, spec["capture"])
     val_after = validate(f"after {spec['steps']} steps")
 
     per = h["opt_steps_per_step"]
@@ -366,8 +389,9 @@ def _read_hpcrl(run_dir: str, n_steps: int) -> dict:
             "minibatch_by": cut.group(1) if cut else "prompt"}  # runs from before the option cut by prompt
 
 
-def _run_trl(args: argparse.Namespace, tmp: str, prepared: dict, env: dict) -> dict:
+def _run_trl(args: argparse.Namespace, tmp: str, prepared: dict, env: dict, capture: str | None = None) -> dict:
     spec = {"tmp": tmp, "steps": args.steps, "seed": args.seed, "threads": args.trl_threads, **prepared,
+            "capture": capture, "capture_steps": sorted({1, 2, args.steps // 2, args.steps}),
             "hparams": {"n": args.n, "mini_batch": args.mini_batch,
                         "opt_steps_per_step": args.prompts * args.n // args.mini_batch,
                         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "lr": args.lr,

@@ -165,6 +165,29 @@ def sync_scenario(model: str, tp: int, pp: int, rollout_tp: int, lr: float, n_se
     return {"group": group, "result": out, "batch": batch}
 
 
+def sampling_z(model_dir: str, batch: Any, temperature: float) -> float:
+    """How far a batch's sampled tokens are from exact draws of HF's softmax(logits / T): with x ~ p,
+    log p(x) + H(p) has mean 0 and variance E[log^2 p] - H^2 at each position, so the sum over the
+    response tokens, divided by the root of the summed variances, is a z-score (~N(0, 1) for exact
+    sampling). A sampler at another temperature, with a hidden top-k / top-p or a repetition
+    penalty, or with streams shared between samples, moves it away from 0."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    total = var = 0.0
+    with torch.no_grad():
+        for i in range(len(batch)):
+            n = int(batch["attention_mask"][i].sum())
+            ids = batch["input_ids"][i, :n]
+            resp = batch["response_mask"][i, 1:n] > 0  # position t predicts token t + 1
+            lp = torch.log_softmax(hf(ids[None]).logits[0, :-1].double() / temperature, -1)[resp]
+            p, x = lp.exp(), ids[1:][resp]
+            entropy = -(p * lp).sum(-1)
+            total += float((lp.gather(-1, x[:, None])[:, 0] + entropy).sum())
+            var += float(((p * lp * lp).sum(-1) - entropy * entropy).sum())
+    return total / var ** 0.5
+
+
 def hf_greedy(model_dir: str, prompts: list[list[int]], max_new: int) -> list[list[int]]:
     from transformers import AutoModelForCausalLM
 
@@ -399,6 +422,12 @@ def main() -> None:
                           "gap": logprob_gap(sampled["rollout_logprob"], lp_t, sampled["response_mask"], step=0),
                           "gap_actor_at_t1": logprob_gap(sampled["rollout_logprob"], lp_1, sampled["response_mask"],
                                                          step=0)}
+    # exact sampling at T=0.7: the z-score of vLLM's draws (16 prompts x 8 samples, ~3000 tokens)
+    # under HF's p_0.7 from the exported weights, and under p_1 (the power of the check)
+    many = generate(group, prompts, SamplingSettings(n=8, temperature=0.7, max_new_tokens=24, seed=13))
+    res["temperature"]["exact"] = {"tokens": int(many["response_mask"].sum()),
+                                   "z": sampling_z(str(tmp / "tiny-updated"), many, 0.7),
+                                   "z_under_t1": sampling_z(str(tmp / "tiny-updated"), many, 1.0)}
     # random streams: two copies of one prompt and n=2. Each sample has its own stream, so no two of
     # the copies' samples agree (with per-prompt seeds s + i and vLLM's s + j for sample j, sample 1
     # of the first copy replayed sample 0 of the second)
