@@ -229,7 +229,7 @@ def trl_child(spec: dict) -> dict:
     train_wall_s = time.perf_counter() - t
     model = trainer.model
     if spec.get("capture"):
-        torch.save({"minibatches": captured, "weights_after": snapshots,
+        torch.save({"steps": spec["steps"], "minibatches": captured, "weights_after": snapshots,
                     "grad_norms": [x["grad_norm"] for x in timer.logs if "grad_norm" in x]}, spec["capture"])
     val_after = validate(f"after {spec['steps']} steps")
 

@@ -178,7 +178,6 @@ def main() -> None:
         print(f"[bench] TRL: {args.steps} steps in {time.time() - t:.0f} s, validation reward "
               f"{trl['val_before']['reward_mean']:.3f} -> {trl['val_after']['reward_mean']:.3f}; load "
               f"{trl['load']['mean']:.2f}, steal {bl.steal_seconds() - steal0:.1f} s", flush=True)
-        _add_steps(capture, args.steps)
         out = os.path.join(tmp, "hpcrl_replay.json")
         cmd = mpiexec_command(args.workers, entry_argv(os.path.abspath(__file__) + ":world_main",
                                                        [capture, out, *overrides],
@@ -205,15 +204,6 @@ def main() -> None:
     finally:
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _add_steps(capture: str, steps: int) -> None:
-    """The step count, for the replay to cut the captured mini-batches into steps."""
-    import torch
-
-    cap = torch.load(capture, weights_only=False)
-    cap["steps"] = steps
-    torch.save(cap, capture)
 
 
 def _report(rows: list[dict], trl: dict) -> None:
