@@ -34,7 +34,8 @@ mini-batches cut from a shuffle of the samples [TRL's way; hpcrl's actor.minibat
 std-normalised advantages [scale_rewards "group"]; fp32 [bf16 False]; no gradient checkpointing
 (TRL's default is on); same prompts in the same order (the bench hands TRL the train rows in the
 order hpcrl's sampler draws them, shuffle_dataset False); same chat template (prompt token ids
-checked equal); reward = acc + 0.2 x format, with format 0 for a completion cut at max_new_tokens.
+checked equal, and each step's prompt ids in GRPOTrainer's loss inputs checked against hpcrl's);
+reward = acc + 0.2 x format, with format 0 for a completion cut at max_new_tokens.
 What differs is listed under "settings that differ" in the output.
 """
 
@@ -206,10 +207,10 @@ def trl_child(spec: dict) -> dict:
                           processing_class=tok, callbacks=[timer])
     captured: list[dict] = []
     snapshots: dict[int, dict] = {}
-    if spec.get("capture"):  # tools/bench_update_trl.py: each optimizer step's inputs, in TRL's order,
-        compute_loss = trainer._compute_loss  # and the weights after the steps it names
-
-        class Snapshots(TrainerCallback):
+    trained_prompts: list[list[tuple]] = []  # each optimizer step's prompt ids, as GRPOTrainer tokenized them
+    compute_loss = trainer._compute_loss
+    if spec.get("capture"):  # tools/bench_update_trl.py: the weights after the steps it names (and, in
+        class Snapshots(TrainerCallback):  # recording_loss, each optimizer step's inputs in TRL's order)
             def on_step_end(self, args, state, control, model=None, **kwargs):
                 k, rest = divmod(state.global_step, h["opt_steps_per_step"])
                 if not rest and k in spec["capture_steps"]:
@@ -217,13 +218,16 @@ def trl_child(spec: dict) -> dict:
 
         trainer.add_callback(Snapshots())
 
-        def capturing_loss(model, inputs):
+    def recording_loss(model, inputs):
+        trained_prompts.append([tuple(ids[m.bool()].tolist()) for ids, m in
+                                zip(inputs["prompt_ids"], inputs["prompt_mask"], strict=True)])
+        if spec.get("capture"):
             captured.append({k: inputs[k].detach().clone() for k in
                              ("prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "advantages",
                               "old_per_token_logps") if inputs.get(k) is not None})
-            return compute_loss(model, inputs)
+        return compute_loss(model, inputs)
 
-        trainer._compute_loss = capturing_loss
+    trainer._compute_loss = recording_loss
     t = time.perf_counter()
     trainer.train()
     train_wall_s = time.perf_counter() - t
@@ -243,11 +247,19 @@ def trl_child(spec: dict) -> dict:
                       "phases": {"opt step with generation": s[0]["time_s"],
                                  "opt steps without": sum(x["time_s"] for x in s[1:])}})
     _trl_grad_norms(steps, timer.logs, per)
+    # The prompts TRL trained on, as its own tokenizer call made them (not the bench's apply_chat_template):
+    # each step's mini-batches must hold the step's hpcrl prompt ids, each n times.
+    prompts_per_step = len(spec["train"]) // spec["steps"]
+    other_prompts = [k + 1 for k in range(spec["steps"])
+                     if sorted(p for mb in trained_prompts[k * per:(k + 1) * per] for p in mb)
+                     != sorted(tuple(r["hpcrl_prompt_ids"]) for r in
+                               spec["train"][k * prompts_per_step:(k + 1) * prompts_per_step] for _ in range(h["n"]))]
     logged_step_time = [x["step_time"] for x in timer.logs if "step_time" in x]
     return {"versions": {"trl": trl.__version__, "transformers": transformers.__version__,
                          "torch": torch.__version__},
             "load_s": load_s, "train_wall_s": train_wall_s, "val_before": val_before, "val_after": val_after,
-            "steps": steps, "prompt_ids_mismatched": mismatched, "threads": torch.get_num_threads(),
+            "steps": steps, "prompt_ids_mismatched": mismatched, "steps_on_other_prompts": other_prompts,
+            "threads": torch.get_num_threads(),
             "trl_logged_step_time_sum": sum(logged_step_time), "trl_logged_num_tokens": seen,
             "rollout_calls": len(rollouts), "trl_logs": timer.logs}
 
@@ -434,6 +446,11 @@ def _report(args: argparse.Namespace, h: dict, r: dict, load: tuple[float, float
           f"{load[0]:.1f} at start, {load[1]:.1f} at end. Times are noisy.")
     if r["prompt_ids_mismatched"]:
         print(f"WARNING: {r['prompt_ids_mismatched']} prompts tokenize differently under TRL's transformers")
+    if r.get("steps_on_other_prompts"):  # absent in runs kept before the check
+        print(f"WARNING: in steps {r['steps_on_other_prompts']} GRPOTrainer's prompt ids were not hpcrl's "
+              "(checked from its loss inputs)")
+    elif "steps_on_other_prompts" in r:
+        print("prompts: TRL trained on hpcrl's prompt token ids in every step (checked from GRPOTrainer's loss inputs)")
     print("\nper-step training rollouts (mean over the step's samples; reward = acc + "
           f"{args.format_weight:g} x format)")
     print("(gnorm: the gradient norm before clipping, mean over the step's optimizer steps)")
