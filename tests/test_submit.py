@@ -436,3 +436,39 @@ def test_failed_runs_are_not_requeued_when_a_restart_cannot_help(tmp_path: Path,
     assert json.loads(job_json.read_text())["failure_requeues"] == 0  # nothing counted, nothing requeued
     assert not requeue_after_failure(load_config("configs/grpo_tiny.yaml", [f"trainer.run_dir={tmp_path}",
                                                                             "slurm.requeue=false"]), env, 137, [])
+
+
+@pytest.mark.slurm
+@pytest.mark.usefixtures("slurm_cluster")
+def test_requeue_of_a_job_slurm_is_already_requeuing_is_counted_and_logged(tmp_path: Path,
+                                                                           capfd: pytest.CaptureFixture) -> None:
+    """A second requeue of the same job (the launcher's after a failed srun, while Slurm is already taking
+    the job back: the requeue's own SIGTERM can kill `scontrol requeue` after it succeeded, status -15 and
+    no message) is success, named in the log as a requeue, and counted. Before, it was
+    `scontrol requeue N failed:` plus a traceback, and the user's log missed one requeue of three."""
+    from hpcrl.config import load_config
+    from hpcrl.launch.allocation import requeue_after_failure
+    from hpcrl.launch.slurm_query import requeue_job, scontrol_job
+
+    r = run(["sbatch", "--parsable", "--requeue", "--partition=normal", f"--output={tmp_path}/job.out",
+             "--wrap", "sleep 300"], timeout=60)
+    assert r.returncode == 0, r.stderr
+    job = r.stdout.strip().split(";")[0]
+    try:
+        _wait_for(lambda: (scontrol_job(job) or {}).get("JobState") == "RUNNING", "the job to run", 120)
+        assert requeue_job(job, restart=0).how == "requeued"  # the first requeue: scontrol says nothing
+        second = run(["scontrol", "requeue", job], timeout=60)
+        assert second.returncode != 0, "Slurm accepted a second requeue: this test no longer sees the race"
+        cfg = load_config("configs/grpo_tiny.yaml", [f"trainer.run_dir={tmp_path}", "slurm.max_failure_requeues=2"])
+        (tmp_path / "slurm").mkdir()
+        capfd.readouterr()
+        assert requeue_after_failure(cfg, {"SLURM_JOB_ID": job, "SLURM_RESTART_COUNT": "0"}, 137, [])
+        err = capfd.readouterr().err
+        assert "requeued (failure requeue 1 of 2, already requeued (JobState=" in err, err
+        assert "Restarts=1" in err and "scontrol requeue" not in err and "Traceback" not in err, err
+        assert json.loads((tmp_path / "slurm" / "job.json").read_text())["failure_requeues"] == 1
+        # a job that is not being requeued (this run is restart 1 of it now) is still a failure, with the reason
+        refused = requeue_job(job, restart=1)
+        assert not refused.requeued and "Restarts=1" in refused.how, refused
+    finally:
+        run(["scancel", job], timeout=60)

@@ -42,6 +42,7 @@ from types import FrameType
 from typing import Any
 
 from hpcrl.launch.commands import entry_argv, rank_output_env, srun_env, srun_het_command
+from hpcrl.launch.slurm_query import requeue_job
 
 TRAINER_TARGET = "hpcrl.trainer.main:main"
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -354,11 +355,12 @@ def requeue_after_failure(cfg: Any, env: Mapping[str, str], rc: int, received: S
         note(f"not requeued: cannot record the requeue in {path}: {e}")
         return False
     leader = env.get("SLURM_HET_JOB_ID") or job
-    r = subprocess.run(["scontrol", "requeue", leader], capture_output=True, text=True, timeout=60)
-    if r.returncode != 0:
-        note(f"scontrol requeue {leader} failed: {(r.stderr or r.stdout).strip()}")
+    result = requeue_job(leader, int(env.get("SLURM_RESTART_COUNT", "0") or 0))
+    if not result.requeued:
+        note(f"scontrol requeue {leader} failed: {result.how}")
         return False
-    note(f"the run failed (srun status {rc}): job {leader} requeued (failure requeue {done + 1} of {limit}); "
+    how = "" if result.how == "requeued" else f", {result.how}"
+    note(f"the run failed (srun status {rc}): job {leader} requeued (failure requeue {done + 1} of {limit}{how}); "
          "it restarts and resumes from the last checkpoint")
     return True
 

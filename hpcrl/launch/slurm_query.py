@@ -183,12 +183,67 @@ def squeue_status(job_id: str) -> JobStatus | None:
 
 def scontrol_restarts(job_id: str) -> int | None:
     """`Restarts=` of the job while slurmctld still knows it (MinJobAge), else None."""
+    value = (scontrol_job(job_id) or {}).get("Restarts", "")
+    return int(value) if value.isdigit() else None
+
+
+def scontrol_job(job_id: str) -> dict[str, str] | None:
+    """`scontrol -o show job JOB` of the job's leader as {field: value} (its first line: the leader of a
+    hetjob), or None when slurmctld does not know the job or does not answer."""
     try:
         r = _run(["scontrol", "-o", "show", "job", base_job_id(job_id)])
     except (OSError, subprocess.TimeoutExpired):
         return None
-    m = re.search(r"\bRestarts=(\d+)", r.stdout) if r.returncode == 0 else None
-    return int(m.group(1)) if m else None
+    if r.returncode != 0 or not r.stdout.strip():
+        return None
+    return dict(re.findall(r"(\w+)=(\S*)", r.stdout.splitlines()[0]))
+
+
+# States of a job that Slurm has taken back for a restart (Restarts= shows it too, from the moment of the
+# requeue, while the old run is still being stopped).
+_REQUEUED_STATES = frozenset({"REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED"})
+
+
+@dataclass
+class RequeueResult:
+    requeued: bool
+    how: str  # "requeued", "already requeued (...)": for the log line; on failure, the reason
+
+
+def requeue_job(job_id: str, restart: int) -> RequeueResult:
+    """`scontrol requeue JOB`, idempotent: a job that Slurm is already requeuing counts as requeued.
+
+    `restart` is this run's SLURM_RESTART_COUNT. Why idempotent: Slurm's requeue stops the running job
+    by signalling every process of its batch step (SIGTERM, and SIGKILL KillWait seconds later), and the
+    `scontrol` that asked for it is one of them. When the signal lands before scontrol has exited, the
+    requeue has happened but scontrol dies of it, with status -15 and nothing on stdout or stderr: seen
+    in CI as `scontrol requeue 8 failed:` with an empty reason right after `*** JOB 8 ... CANCELLED ...
+    DUE TO JOB REQUEUE ***`. Two paths of hpcrl (the launcher after a failed srun, the controller after
+    a preemption signal) and Slurm itself can also requeue the same job. So a failed call is checked
+    against the job's own record: Restarts= above `restart`, or a state of a job taken back, is success.
+    """
+    leader = base_job_id(job_id)
+    try:
+        r = _run(["scontrol", "requeue", leader], timeout=60)
+        ok, said = r.returncode == 0, (r.stderr or r.stdout).strip()
+        status = r.returncode
+    except (OSError, subprocess.TimeoutExpired) as e:
+        ok, said, status = False, str(e), None
+    if ok:
+        return RequeueResult(True, "requeued")
+    info = scontrol_job(leader) or {}
+    restarts = int(info["Restarts"]) if info.get("Restarts", "").isdigit() else None
+    state = normalize_state(info.get("JobState", ""))
+    if (restarts is not None and restarts > restart) or state in _REQUEUED_STATES:
+        if said:
+            why = f"scontrol said: {said}"
+        elif status is not None and status < 0:
+            why = f"scontrol was killed by signal {-status}, the requeue's own stop of the job"
+        else:
+            why = f"scontrol exited with status {status}"
+        return RequeueResult(True, f"already requeued (JobState={state}, Restarts={restarts}; {why})")
+    return RequeueResult(False, f"{said or f'no message, exit status {status}'} "
+                                f"(JobState={state or '?'}, Restarts={'?' if restarts is None else restarts})")
 
 
 def last_step(run_dir: str | None) -> int | None:

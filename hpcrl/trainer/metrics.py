@@ -18,6 +18,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from hpcrl.trainer.progress import duration, phase_running
+
 log = logging.getLogger("hpcrl")
 
 # Wall-clock quantities: they differ between otherwise identical runs.
@@ -35,8 +37,6 @@ class PhaseTimer:
 
     @contextmanager
     def __call__(self, phase: str) -> Iterator[None]:
-        from hpcrl.trainer.progress import phase_running
-
         t, start = time.perf_counter(), time.time()
         try:
             with phase_running(phase):
@@ -205,18 +205,6 @@ def remaining_s(started: float, ends: list[float], left: int) -> float:
         return 0.0
     per_step = (ends[-1] - ends[0]) / (len(ends) - 1) if len(ends) > 1 else ends[0] - started
     return max(per_step, 0.0) * left
-
-
-def duration(seconds: float) -> str:
-    """4 s, 12m05s, 3h07m, 2d04h."""
-    s = int(round(seconds))
-    if s < 60:
-        return f"{s} s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
 
 
 def progress_line(step: int, total: int, m: dict[str, Any], eta_s: float | None = None) -> str:

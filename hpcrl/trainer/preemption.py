@@ -87,13 +87,16 @@ class StopWatch:
 
 
 def requeue_self() -> bool:
-    """Put this job back in the queue (it restarts with SLURM_RESTART_COUNT + 1 and resumes)."""
+    """Put this job back in the queue (it restarts with SLURM_RESTART_COUNT + 1 and resumes). A job that
+    Slurm is already requeuing counts as requeued (hpcrl.launch.slurm_query.requeue_job says why)."""
+    from hpcrl.launch.slurm_query import requeue_job
+
     job = slurm_job_id()
     if job is None:
         return False
-    r = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
-    if r.returncode != 0:
-        log.error("scontrol requeue %s failed: %s", job, (r.stderr or r.stdout).strip())
+    result = requeue_job(job, int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0))
+    if not result.requeued:
+        log.error("scontrol requeue %s failed: %s", job, result.how)
         return False
-    log.info("job %s requeued", job)
+    log.info("job %s %s", job, result.how)
     return True

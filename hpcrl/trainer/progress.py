@@ -30,6 +30,18 @@ from dataclasses import dataclass
 from typing import Any
 
 
+def duration(seconds: float) -> str:
+    """4 s, 12m05s, 3h07m, 2d04h."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
 @dataclass
 class _Running:
     phase: str
@@ -46,8 +58,6 @@ class PhaseProgress:
 
     def __init__(self, emit: Callable[[str], None], first_after_s: float = 30.0, every_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        from hpcrl.trainer.metrics import duration
-
         self.emit = emit
         self.first_after_s = first_after_s
         self.every_s = every_s
