@@ -1,0 +1,263 @@
+"""The engine's forward passes: micro-batches packed from sequences (shared prompt prefixes included),
+megatron's forward(-backward) schedule over them, the output layer run only at the positions needed,
+RoPE at each token's own position, and per-token log-probs, entropies and values.
+
+`ForwardMixin` is part of `MegatronEngine` (hpcrl.engines.megatron.engine), which sets the attributes
+it reads: `model`, `options`, `spec`, `arch`, `value_head`, `tp_rank`, `tp_size`, `pp_size`,
+`_positions`, `_rope`, `_rope_by_position`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from hpcrl.engines.megatron.attention import segments_of
+from hpcrl.engines.megatron.packing import (
+    PackedMicroBatch,
+    Unit,
+    pack,
+    plan_micro_batches,
+    plan_padded_micro_batches,
+    shared_prefix_units,
+    shares_prefixes,
+    unit_length,
+    unpack_token_values,
+)
+
+
+def thd_params(mb: PackedMicroBatch, device: Any):
+    """Transformer Engine's packed-sequence description of a one-row micro-batch: cumulative
+    sequence boundaries (the tail padding is one more segment), so attention and RoPE restart at
+    every sequence."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    bounds = [0]
+    for p in mb.placement:
+        assert not p.start, "Transformer Engine's packed attention cannot share a prefix"
+        bounds.append(p.offset + p.length)
+    if bounds[-1] < mb.tokens.shape[1]:
+        bounds.append(mb.tokens.shape[1])
+    cu = torch.tensor(bounds, dtype=torch.int32, device=device)
+    longest = int((cu[1:] - cu[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                           max_seqlen_kv=longest)
+
+
+class ForwardMixin:
+    """The forward part of `MegatronEngine`."""
+
+    def _select_output_positions(self) -> None:
+        """Let the vocabulary projection run only at the positions a micro-batch asks for
+        (`self._positions`): the hidden states there, [n, 1, h] in [T, B] order, instead of all
+        [T, B, h]. Log-probs and losses are needed at response tokens only, and the projection and
+        the log-softmax over the vocabulary cost about a fifth of a small model's compute and its
+        largest activations. Not with sequence parallelism (the output layer's input is split)."""
+        if not self.model.post_process or self.value_head or self.model.config.sequence_parallel:
+            return
+        layer = self.model.output_layer
+        project = layer.forward
+
+        def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if self._positions is not None:
+                hidden_states = hidden_states[self._positions.t().to(hidden_states.device)].unsqueeze(1)
+            return project(hidden_states, *args, **kwargs)
+
+        layer.forward = forward
+
+    def _positions_drive_rope(self) -> bool:
+        """RoPE at each token's own position (`self._rope["positions"]`) instead of its place in the
+        packed row. megatron rotates by row place, which is exact for sequences laid out one after
+        another (RoPE sees only relative positions), but not for the branches of a shared prefix,
+        which follow each other in the row while each continues the prefix. False where the model
+        has no megatron RotaryEmbedding (nothing is changed then)."""
+        rope = getattr(self.model, "rotary_pos_emb", None)
+        if rope is None or type(rope).__name__ != "RotaryEmbedding":
+            return False
+        by_place = rope.forward
+        # The wrapper must not refer to the engine: megatron's RotaryEmbedding.forward is an
+        # lru_cache over its module, which would keep the engine, its model and process groups
+        # (each with gloo threads) alive after the engine is dropped.
+        state = self._rope
+
+        def forward(max_seq_len: int, *args: Any, **kwargs: Any) -> torch.Tensor:
+            if state["positions"] is None:
+                return by_place(max_seq_len, *args, **kwargs)
+            pos = state["positions"].t()  # [T, B]
+            emb = by_place(int(pos.max()) + 1, *args, **kwargs)  # [S, 1, 1, d]
+            return emb[:, 0, 0][pos.to(emb.device)].unsqueeze(2)  # [T, B, 1, d]
+
+        rope.forward = forward
+        return True
+
+    def _spread(self, values: torch.Tensor, mb: PackedMicroBatch) -> torch.Tensor:
+        """Per-position values of the selected positions ([1, n], see `_select_output_positions`)
+        back to [B, T] with zeros elsewhere (differentiable); [B, T] values pass through."""
+        if self._positions is None:
+            return values
+        sel = self._positions.t().to(values.device)
+        return torch.zeros(sel.shape, dtype=values.dtype, device=values.device).masked_scatter(
+            sel, values.reshape(-1)).t()
+
+    def _labels(self, mb: PackedMicroBatch, device: Any) -> torch.Tensor:
+        """The labels of the positions whose logits the output layer computed, shaped like them."""
+        labels = mb.labels.to(device)
+        if self._positions is None:
+            return labels
+        return labels.t()[self._positions.t().to(device)][None]
+
+    def _micro_batches(self, seqs: list[torch.Tensor], token_fields: dict[str, list[torch.Tensor]] | None = None
+                       ) -> list[PackedMicroBatch]:
+        lengths = [int(s.numel()) for s in seqs]
+        if self.options.packing:
+            units = self._units(seqs, token_fields)
+            groups = plan_micro_batches([unit_length(u, lengths) for u in units], self.options.micro_batch_tokens)
+            rows_of = [[[units[u] for u in g]] for g in groups]  # one packed row per micro-batch
+        else:
+            groups = plan_padded_micro_batches(len(seqs), self.options.micro_batch_size)
+            # a short last micro-batch gets empty rows: every micro-batch must have one shape
+            rows_of = [[[i] for i in g] + [[]] * (self.options.micro_batch_size - len(g)) for g in groups]
+
+        def longest_row(rows: list[list[Unit]]) -> int:
+            return max(sum(unit_length(u, lengths) for u in row) for row in rows)
+
+        # pipeline stages exchange fixed-size activations: with PP every micro-batch has one shape;
+        # without PP each is only as long as its longest row
+        common = max(longest_row(rows) for rows in rows_of)
+        dense = self.model.hpcrl_attention == "dense"
+        return [pack(seqs, rows, common if self.pp_size > 1 else longest_row(rows), token_fields, dense_mask=dense)
+                for rows in rows_of]
+
+    def _units(self, seqs: list[torch.Tensor], token_fields: dict[str, list[torch.Tensor]] | None) -> list[Unit]:
+        """What the packed rows hold: the sequences, with the samples of one prompt sharing it
+        when only later positions carry a loss or a requested output (`share_prompt`)."""
+        fields = token_fields or {}
+        needed = fields.get("loss_weight", fields.get("positions"))
+        # the local spec's attention takes the branch layout (TE's packed attention does not), and a
+        # branch needs RoPE at its tokens' own positions (another position embedding: no sharing)
+        shares = self.options.share_prompt and self.spec == "local" and self._rope_by_position
+        if not shares or needed is None:
+            return list(range(len(seqs)))
+        first = []
+        for v in needed:
+            nz = torch.nonzero(v).flatten()
+            first.append(int(nz[0]) if nz.numel() else 0)
+        return shared_prefix_units(seqs, first, self.options.micro_batch_tokens)
+
+    def _run(self, mbs: list[PackedMicroBatch], loss_fn: Callable, forward_only: bool,
+             positions: Callable[[PackedMicroBatch], torch.Tensor | None] | None = None) -> list[Any]:
+        """megatron's forward(-backward) over the micro-batches; positions(mb) -> the [B, T] bool
+        mask of the positions whose logits are needed (None: all)."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+
+        te = self.spec == "te"
+
+        def forward_step(it: Iterator[PackedMicroBatch], model: torch.nn.Module):
+            mb = next(it)
+            # read by the output layer of this micro-batch's forward and by its loss function
+            self._positions = positions(mb) if positions is not None else None
+            self._rope["positions"] = mb.position_ids if shares_prefixes(mb) else None
+            tokens, positions_ids = mb.tokens.to(device), mb.position_ids.to(device)
+            if not te:  # local spec: the sequences' segments (or the dense block mask) carry the packing
+                mask = (mb.attention_mask if mb.attention_mask is not None
+                        else segments_of(mb.placement, mb.tokens.shape[0]))
+                out = model(tokens, positions_ids, mask.to(device))
+            elif len(mb.placement) > mb.tokens.shape[0]:  # TE, packed: THD layout with per-sequence RoPE
+                out = model(tokens, positions_ids, None, packed_seq_params=thd_params(mb, device))
+            else:  # TE, one right-padded sequence per row: plain causal attention is exact
+                out = model(tokens, positions_ids, None)
+            selected = self._positions
+
+            def loss(output: torch.Tensor) -> Any:
+                self._positions = selected  # with PP the loss runs after other micro-batches' forwards
+                return loss_fn(output, mb)
+
+            return out, loss
+
+        b, t = mbs[0].tokens.shape
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(mbs), model=self.model,
+            num_microbatches=len(mbs), seq_length=t, micro_batch_size=b, forward_only=forward_only)
+
+    def token_logprobs(self, logits: torch.Tensor, mb: PackedMicroBatch, temperature: float = 1.0) -> torch.Tensor:
+        """log p(label) per position from vocab-parallel logits [B, T, V/TP] -> [B, T], under the
+        distribution softmax(logits / temperature): the one a rollout at that temperature samples."""
+        from megatron.core import tensor_parallel
+
+        # Always a new tensor (also for fp32 at T=1): megatron's cross entropy overwrites its input
+        # in place (minus the max, then exp, kept as the softmax for backward), and the entropy
+        # reads the model's output after it.
+        logits = logits.float() / temperature
+        vocab_per_rank = logits.shape[-1]
+        start = self.tp_rank * vocab_per_rank
+        if start + vocab_per_rank > self.arch.vocab_size:  # padded vocab rows are not tokens
+            logits[..., max(self.arch.vocab_size - start, 0):] = float("-inf")
+        labels = self._labels(mb, logits.device)
+        nll = tensor_parallel.vocab_parallel_cross_entropy(logits.transpose(0, 1).contiguous(), labels.t().contiguous())
+        return self._spread(-nll.t(), mb)
+
+    def _forward_collect(self, seqs: list[torch.Tensor],
+                         per_token: Callable[[torch.Tensor, PackedMicroBatch], torch.Tensor],
+                         positions: list[torch.Tensor] | None = None) -> list[torch.Tensor] | None:
+        """Forward only; per_token(output, micro-batch) -> [B, T] values laid out like labels, cut
+        back into one tensor per sequence. Returned on the last pipeline stage, None elsewhere."""
+        self.model.eval()
+
+        def loss_fn(output: torch.Tensor, mb: PackedMicroBatch):
+            v = per_token(output, mb)
+            return v.sum() * 0.0, torch.tensor(1), {"values": v.detach().cpu(), "mb": mb}
+
+        fields = {"positions": [p.float() for p in positions]} if positions is not None else None
+        select = (lambda mb: mb.extra["positions"].bool() & mb.label_mask.bool()) if positions is not None else None
+        store = self._run(self._micro_batches(seqs, fields), loss_fn, forward_only=True, positions=select)
+        if not store:
+            return None
+        out: dict[int, torch.Tensor] = {}
+        for item in store:
+            out.update(unpack_token_values(item["values"], item["mb"]))
+        return [out[i].clone() for i in range(len(seqs))]
+
+    @torch.no_grad()
+    def compute_values(self, seqs: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Per-position values (entry t: the state seq[:t+1]) from the value head; last stage only."""
+        assert self.value_head, "compute_values needs an engine built with value_head=True"
+        return self._forward_collect(seqs, lambda output, mb: output[..., 0].float())
+
+    @torch.no_grad()
+    def compute_logprob(self, seqs: list[torch.Tensor], temperature: float = 1.0,
+                        positions: list[torch.Tensor] | None = None) -> list[torch.Tensor] | None:
+        """Per-token log-probs of each sequence (entry t: log p(seq[t+1] | seq[:t+1])) under
+        softmax(logits / temperature); with positions (per sequence, label-aligned bool), only
+        there (0 elsewhere: the output layer skips the other positions).
+
+        Returned on the last pipeline stage (every TP rank of it); other stages return None."""
+        return self._forward_collect(seqs, lambda output, mb: self.token_logprobs(output, mb, temperature),
+                                     positions)
+
+    def token_entropy(self, logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """Entropy of softmax(logits / temperature) over the full vocabulary per position, from
+        vocab-parallel logits."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+        logits = logits.float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        vocab_per_rank = logits.shape[-1]
+        start = self.tp_rank * vocab_per_rank
+        if start + vocab_per_rank > self.arch.vocab_size:
+            logits = logits.clone()
+            logits[..., max(self.arch.vocab_size - start, 0):] = float("-inf")
+        with torch.no_grad():
+            m = logits.max(dim=-1, keepdim=True).values
+            if self.tp_size > 1:
+                torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX,
+                                             group=ps.get_tensor_model_parallel_group())
+        e = torch.exp(logits - m)
+        z = reduce_from_tensor_model_parallel_region(e.sum(-1))
+        ez = reduce_from_tensor_model_parallel_region(torch.nan_to_num(e * (logits - m)).sum(-1))
+        return torch.log(z) - ez / z  # [B, T], or [1, n] at the selected positions (see _spread)
