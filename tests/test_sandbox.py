@@ -6,8 +6,12 @@ result (nothing raised), score 0, and leave everything outside as it was. The li
 `limits(...)`; each test was also run once with its limit removed (a limit set to None, or a launcher
 without the namespace / privilege drop) and failed, see docs/agents.md.
 
-Isolation needs namespaces: where the machine refuses them the sandbox tests are skipped, and fail
-with CI=true (as the Slurm tests do), so CI cannot go green without testing them.
+Isolation needs namespaces (and a cgroup): where the machine refuses them the sandbox tests are
+skipped, and fail with CI=true (as the Slurm tests do), so CI cannot go green without testing them;
+the same for the tests that need root (the privilege drop).
+
+"Hostile model output" (issue 44): each of those tests gives the public API what a policy under
+optimisation would write, and fails on the code before the fix (docs/agents.md, threat model).
 """
 
 from __future__ import annotations
@@ -17,12 +21,14 @@ import json
 import os
 import shutil
 import socket
+import subprocess
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from conftest import IN_CI, REPO
 
 from hpcrl.agents.tools import (
     CalculatorTool,
@@ -40,12 +46,27 @@ from hpcrl.agents.tools import (
 )
 from hpcrl.rewards import RewardInput, RewardScorer
 from hpcrl.sandbox import Sandbox, SandboxConfig, SandboxUnavailableError, run_program
-from hpcrl.sandbox.reward import extract_program, make_code_reward, normalize_output, parse_test_cases
-from hpcrl.sandbox.runner import WORKDIR_PREFIX
+from hpcrl.sandbox.reward import (
+    HIDDEN_PATHS_ENV,
+    extract_program,
+    hide_run_paths_from_programs,
+    make_code_reward,
+    normalize_output,
+    parse_test_cases,
+)
+from hpcrl.sandbox.runner import LAUNCHER, WORKDIR_PREFIX
 
-IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 ROOT = os.geteuid() == 0
-root_only = pytest.mark.skipif(not ROOT, reason="root-started sandboxes only (the privilege drop)")
+
+
+@pytest.fixture
+def root_only():
+    """Tests of the root-started sandbox (the privilege drop to an unprivileged uid): skipped for other
+    users on a workstation, a failure with CI=true (CI runs as root)."""
+    if not ROOT:
+        if IN_CI:
+            pytest.fail("CI=true and the tests do not run as root: the privilege drop is not tested")
+        pytest.skip("root-started sandboxes only (the privilege drop)")
 
 
 def limits(**overrides) -> SandboxConfig:
@@ -235,8 +256,7 @@ def check_run_files_unreadable(config: SandboxConfig, run_dir: Path) -> None:
     assert score_via_reward(config, read_attack(secret), "the-run-secret") == 0.0
 
 
-@root_only
-def test_a_root_owned_0700_folder_is_unreadable(sandbox_works, outside_dir):
+def test_a_root_owned_0700_folder_is_unreadable(root_only, sandbox_works, outside_dir):
     run_dir = outside_dir / "run"  # outside /tmp: the permissions are what protects it
     run_dir.mkdir(mode=0o700)
     check_run_files_unreadable(limits(), run_dir)
@@ -294,8 +314,7 @@ def processes_of_uid(uid: int) -> list[int]:
     return pids
 
 
-@root_only
-def test_processes_left_behind_are_killed(sandbox_works):
+def test_processes_left_behind_are_killed(root_only, sandbox_works):
     """A daemon (new session, stdio closed) does not outlive the program, nor keep the run waiting."""
     daemon = """
 import os, time
@@ -536,3 +555,263 @@ def test_python_tool(sandbox_works):
     assert (ok.content, ok.error) == ("stdout:\n42\n", False)
     assert loop.content == "stopped: CPU time limit" and loop.metadata["limit"] == "cpu"
     assert "characters cut" in noisy.content and noisy.content.endswith("exit status 2")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Hostile model output (issue 44): each test failed on the code before its fix
+
+NESTED_TMPFS = """
+import ctypes, os, subprocess
+libc = ctypes.CDLL(None, use_errno=True)
+out = subprocess.run(["unshare", "-U", "-r", "true"], capture_output=True)
+print("unshare -U:", "ok" if out.returncode == 0 else "refused")
+if libc.unshare(0x10000000 | 0x00020000) != 0:          # CLONE_NEWUSER | CLONE_NEWNS
+    print("refused", os.strerror(ctypes.get_errno()))
+else:
+    uid = os.getuid()
+    open("/proc/self/setgroups", "w").write("deny")
+    open("/proc/self/uid_map", "w").write(f"0 {uid} 1")
+    os.makedirs("/tmp/big", exist_ok=True)
+    if libc.mount(b"t", b"/tmp/big", b"tmpfs", 0, b"size=1g") != 0:
+        print("mount refused", os.strerror(ctypes.get_errno()))
+    else:
+        written = 0
+        with open("/tmp/big/fill", "wb") as f:
+            for _ in range(48):                          # 48 MB: three times disk_mb
+                f.write(b"x" * (1 << 20))
+                written += 1
+        print("mounted", written, "MB")
+"""
+
+
+def test_no_user_namespaces_inside_so_no_tmpfs_beyond_disk_mb(sandbox_works):
+    """A program may not make a user namespace of its own (the seccomp filter): without one it cannot
+    mount a tmpfs past disk_mb. Before: `mounted 48 MB` under disk_mb=16."""
+    r = run_program(NESTED_TMPFS, config=limits(disk_mb=16, max_file_mb=None))
+    assert r.exit_code == 0 and r.stdout.splitlines() == ["unshare -U: refused", "refused Operation not permitted"], r
+    assert score_via_reward(limits(disk_mb=16, max_file_mb=None), NESTED_TMPFS,
+                            "unshare -U: ok\nmounted 48 MB") == 0.0
+
+
+MEMFD_HOARD = """
+import os
+held = []
+for i in range(40):                                      # 640 MB of memfds, none of it address space
+    fd = os.memfd_create(f"hoard{i}")
+    os.write(fd, b"x" * (16 << 20))
+    held.append(fd)
+    print(16 * len(held), flush=True)
+print("held", 16 * len(held))
+"""
+
+SYSV_HOARD = """
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+held = 0
+for i in range(40):                                      # 640 MB of SysV segments, detached after filling
+    seg = libc.shmget(0, 16 << 20, 0o600 | 0o1000)       # IPC_PRIVATE, IPC_CREAT
+    addr = libc.shmat(seg, None, 0)
+    ctypes.memset(addr, 1, 16 << 20)
+    libc.shmdt(ctypes.c_void_p(addr))
+    held += 16
+    print(held, flush=True)
+print("held", held)
+"""
+
+
+@pytest.mark.parametrize("hoard", [MEMFD_HOARD, SYSV_HOARD], ids=["memfd", "sysv_shm"])
+def test_shared_memory_hoards_are_killed_at_the_run_memory_limit(sandbox_works, hoard):
+    """memfds and SysV segments are not address space (RLIMIT_AS lets 640 MB through under
+    memory_mb=128); the run's cgroup counts their pages and its OOM kill ends the run. Before: `held 640`
+    (host Shmem up by 640 MB while it ran)."""
+    config = limits(memory_mb=128, disk_mb=16, max_file_mb=16.0)  # 16 MB: each memfd may hold its 16 MB
+    r = run_program(hoard, config=config)
+    held = [int(x) for x in r.stdout.split() if x.isdigit()]
+    assert r.limit == "memory" and r.signal == "SIGKILL" and r.usage["oom_kills"] >= 1, r
+    assert "held" not in r.stdout and max(held, default=0) <= 128 + 16, r.stdout
+    assert r.usage["peak_memory_mb"] <= 128 + 16 + 1
+    assert score_via_reward(config, hoard, "\n".join(str(16 * k) for k in range(1, 41)) + "\nheld 640") == 0.0
+
+
+def test_refuses_to_start_without_a_cgroup_unless_allowed(sandbox_works, monkeypatch):
+    monkeypatch.setattr("hpcrl.sandbox.runner.cgroup_layout", lambda: (None, "no cgroup for this test"))
+    with pytest.raises(SandboxUnavailableError, match="no cgroup for this test.*allow_without_cgroup=True"):
+        run_program("print(1)", config=limits())
+    r = run_program("print(1)", config=limits(allow_without_cgroup=True))
+    assert r.ok and r.stdout == "1\n" and r.isolation["cgroup"] is None and r.usage == {}
+
+
+def test_limits_are_not_read_from_what_a_program_prints(sandbox_works):
+    """A correct program that writes the kernel's words to stderr hit no limit. Before: limit
+    "memory", score 0."""
+    noisy = ("import sys\nn = int(input())\nprint(n * n)\n"
+             "sys.stderr.write('MemoryError\\n[Errno 11] Resource temporarily unavailable\\n"
+             "[Errno 27] File too large\\n')\n")
+    r = run_program(noisy, stdin="3\n", config=limits())
+    assert (r.ok, r.limit, r.stdout) == (True, None, "9\n"), r
+    assert make_code_reward(limits())("code", fenced(noisy), SQUARE_IO)["score"] == 1.0
+    # the same words from a program that died of the limit: recognised from its exit status
+    r = run_program("x = bytes(10 * 2**30)", config=limits())
+    assert (r.limit, r.exit_code) == ("memory", 1), r
+
+
+ADD_ASSERTS = json.dumps(["assert add(2, 3) == 5", "assert add(10, -4) == 6", "assert add(1, 1) == 2"])
+
+ALWAYS_EQUAL = """
+class Anything:
+    def __eq__(self, other):
+        return True
+    def __ne__(self, other):
+        return False
+def add(a, b):
+    return Anything()
+"""
+
+# prints every marker-like token of its own source at exit (after the failed assert) and exits 0
+MARKER_AT_EXIT = """
+import atexit, os, re, sys
+source = open(sys.argv[0]).read()
+def claim():
+    for token in re.findall(r"hpcrl-[a-z-]+-[0-9a-f]{12,}", source):
+        print(token, flush=True)
+    os._exit(0)
+atexit.register(claim)
+sys.excepthook = lambda *exc: claim()
+def add(a, b):
+    return a * b
+"""
+
+
+def test_assert_cases_cannot_be_passed_without_solving_them(sandbox_works):
+    """The asserts run in a harness process apart from the solution, which only computes add(2, 3)
+    and never sees the expected values or a marker. Before: both attacks scored 1.0."""
+    reward = make_code_reward(limits())
+    assert reward("code", fenced("def add(a, b):\n    return a + b"), ADD_ASSERTS)["score"] == 1.0
+    assert reward("code", fenced(ALWAYS_EQUAL), ADD_ASSERTS)["score"] == 0.0
+    assert reward("code", fenced(MARKER_AT_EXIT), ADD_ASSERTS)["score"] == 0.0
+    # strict types: 5.0 is not 5, True is not 1; an int subclass is not plain data
+    assert reward("code", fenced("def add(a, b):\n    return float(a + b)"), ADD_ASSERTS)["score"] == 0.0
+    sub = "class I(int):\n    pass\ndef add(a, b):\n    return I(a + b)"
+    assert reward("code", fenced(sub), ADD_ASSERTS)["score"] == 0.0
+    # the usual MBPP shapes still work: a literal beside the solution's value stays with the harness
+    shapes = json.dumps(["import math\nassert math.isclose(area(2), 12.566, rel_tol=1e-3)",
+                         "assert sorted(evens([3, 2, 4])) == [2, 4]", "assert list(squares(3)) == [0, 1, 4]",
+                         "assert abs(area(1) - 3.14159) < 1e-3"])
+    solution = ("import math\ndef area(r):\n    return math.pi * r * r\ndef evens(xs):\n    return [x for x in xs if "
+                "x % 2 == 0]\ndef squares(n):\n    return (i * i for i in range(n))")
+    assert reward("code", fenced(solution), shapes)["score"] == 1.0
+
+
+def sandboxed_sleeper(data_source, solution_str, ground_truth, extra_info=None):
+    """A reward (loaded by the scorer's workers as test_sandbox:sandboxed_sleeper) that runs a program
+    for 30 s regardless of the scorer's timeout."""
+    return float(run_program("import time\ntime.sleep(30)\n", config=limits(wall_s=30.0)).ok)
+
+
+def launcher_processes(caller_pid: int) -> list[int]:
+    """Sandbox launchers and inits started by process `caller_pid` (its working folders, in the
+    launcher's hex-encoded spec, carry that pid)."""
+    mark = f"{WORKDIR_PREFIX}{caller_pid}-".encode().hex().encode()
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if LAUNCHER.encode() in cmdline and mark in cmdline:
+            found.append(int(pid))
+    return found
+
+
+def test_code_reward_ends_inside_the_scorers_timeout(sandbox_works):
+    """Six cases of 1.5 s, two at a time, against reward.timeout_s=3: the reward cuts its runs at the
+    scorer's deadline and scores a time limit. Before: the scorer killed the worker (a timeout)."""
+    slow = json.dumps([{"input": "", "output": "done"}] * 6)
+    item = RewardInput("code", fenced("import time\ntime.sleep(1.5)\nprint('done')"), slow)
+    with RewardScorer("hpcrl.sandbox.reward:fraction_passed", timeout_s=3.0, workers=1) as scorer:
+        scorer.score([RewardInput("code", fenced("print(1)"), json.dumps([{"input": "", "output": "1"}]))])
+        r = scorer.score([item])
+    assert r.metrics["reward/timeouts"] == 0 and r.details[0]["error"] is None, r.details
+    assert r.scores == [0.0] and r.metrics["reward/limit_hit"] == 1.0
+    assert r.metrics["time/reward"] < 3.0
+
+
+def test_a_killed_reward_worker_leaves_no_program_running(sandbox_works):
+    """The scorer kills a worker at its timeout; the worker's sandbox launchers (each in a session of
+    its own) die with it, and with them init and the program. Before: all three ran on for 30 s."""
+    with RewardScorer("test_sandbox:sandboxed_sleeper", timeout_s=1.5, workers=1) as scorer:
+        worker = scorer.worker_pids[0]
+        r = scorer.score([RewardInput("x", "", "", {})])
+    assert r.metrics["reward/timeouts"] == 1
+    end = time.monotonic() + 3.0
+    while launcher_processes(worker) and time.monotonic() < end:
+        time.sleep(0.05)
+    assert launcher_processes(worker) == []
+
+
+def test_python_tool_hides_the_runs_data_and_run_dir(sandbox_works, outside_dir, monkeypatch):
+    """The python tool hides what the code reward hides plus the run's data folders and run directory,
+    readable by everyone here. Before: the tool printed the ground truth."""
+    monkeypatch.setenv(HIDDEN_PATHS_ENV, "")  # restored after the test
+    data, run_dir = outside_dir / "data", outside_dir / "run"
+    data.mkdir(mode=0o755)
+    run_dir.mkdir(mode=0o755)
+    (data / "train.jsonl").write_text('{"prompt": "2+2", "ground_truth": "the-answer-is-4"}\n')
+    (run_dir / "state.txt").write_text("run-state-secret")
+    hidden = hide_run_paths_from_programs({"data": {"train_files": [str(data / "train.jsonl")], "val_files": []},
+                                           "trainer": {"run_dir": str(run_dir)}})
+    assert {str(data), str(run_dir), str(REPO)} <= set(hidden)
+    tools = ToolSet([load_tool({"class": "python", "kwargs": {"wall_s": 5.0, "cpu_s": 1.0}})])
+    code = "\n".join(f"try:\n    print(open({str(p)!r}).read())\nexcept OSError as e:\n    print('refused')"
+                     for p in (data / "train.jsonl", run_dir / "state.txt", REPO / "pyproject.toml"))
+    (res,) = tools.execute_sync([ToolCall("python", {"code": code})])
+    assert res.content == "stdout:\nrefused\nrefused\nrefused\n", res.content
+
+
+def test_python_tool_clock_starts_when_the_program_starts(sandbox_works):
+    """Calls queued behind others at max_concurrency=1 get their whole time once they run; a call that
+    finds no free slot in time is answered as a queue timeout, not as its own. Before: the later calls
+    were reported as the program's timeouts without running."""
+    tool = load_tool({"class": "python", "kwargs": {"wall_s": 4.0, "cpu_s": 1.0, "max_concurrency": 1}})
+    # each call's bound: well above one call (0.6 s and a start), below the 3 s the five take one after another
+    tool.timeout_s = 2.5
+    calls = [ToolCall("python", {"code": f"import time\ntime.sleep(0.6)\nprint({i})"}) for i in range(5)]
+    results = ToolSet([tool]).execute_sync(calls)
+    assert [r.content for r in results] == [f"stdout:\n{i}\n" for i in range(5)], [r.content for r in results]
+    assert max(r.metadata["queued_s"] for r in results) > 2.0  # the last ones did wait
+    tool.queue_timeout_s = 0.2
+    first, queued = ToolSet([tool]).execute_sync([ToolCall("python", {"code": "import time\ntime.sleep(0.8)"}),
+                                                  ToolCall("python", {"code": "print('never')"})])
+    assert first.content == "(no output)" and not first.error
+    assert queued.error_kind == "queue_timeout" and "was not run" in queued.content, queued
+
+
+def test_a_venv_inside_a_hidden_project_is_bound_back_read_only(root_only, sandbox_works, outside_dir):
+    """A non-root caller whose interpreter is a venv inside the project: the project (with its data)
+    and $HOME are hidden all the same, and the venv is bound back read-only so the program runs.
+    Before: default_hidden_paths left the project visible, and the program read the data."""
+    project = outside_dir / "project"
+    (project / "data").mkdir(parents=True)
+    (project / "data" / "train.jsonl").write_text("ground-truth-42\n")
+    subprocess.run(["/usr/bin/python3", "-m", "venv", "--without-pip", str(project / ".venv")], check=True)
+    for p in [project, *project.rglob("*")]:
+        if not p.is_symlink():  # chmod follows links: the venv's bin/python is the system's interpreter
+            p.chmod(0o755 if p.is_dir() else 0o644)
+    secret = project / "data" / "train.jsonl"
+    script = f"""
+import json
+from hpcrl.sandbox import SandboxConfig, run_program
+from hpcrl.sandbox.reward import default_hidden_paths
+program = "import sys\\ntry:\\n    print(open({str(secret)!r}).read())\\nexcept OSError:\\n    print('refused')"
+program += "\\nprint(sys.prefix)"
+r = run_program(program, config=SandboxConfig(hidden_paths=default_hidden_paths(), allow_without_cgroup=True))
+print(json.dumps({{"hidden": default_hidden_paths(), "stdout": r.stdout, "stderr": r.stderr[-500:]}}))
+"""
+    out = subprocess.run([str(project / ".venv" / "bin" / "python"), "-c", script], cwd=project, user=65534,
+                         group=65534, capture_output=True, text=True, timeout=60,
+                         env={"PATH": "/usr/bin:/bin", "HOME": str(project), "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen = json.loads(out.stdout.splitlines()[-1])
+    assert str(project) in seen["hidden"], seen
+    assert seen["stdout"] == f"refused\n{project / '.venv'}\n", seen

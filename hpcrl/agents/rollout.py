@@ -24,7 +24,10 @@ One turn, for every active conversation (row i * n + j: sample j of prompt i, as
 
 Token-exact: the model's tokens are never decoded and re-tokenised into the sequence; what the
 trainer gets is byte for byte what vLLM was fed and returned. Only the tool turn's text (which the
-model did not write) is tokenised, alone (ToolTurnRenderer). The trainer does not know turns
+model did not write) is tokenised, alone (ToolTurnRenderer): the template's own text with its special
+tokens, each tool's answer as plain text, so an answer holding "<|im_start|>" cannot forge a turn.
+Whatever the model's turn holds, parsing it never raises: a format that fails gives the model an
+error answer (kind "parse"), and the rollout goes on. The trainer does not know turns
 existed: tool tokens are context (attended to) but outside the loss mask, so they carry no loss, no
 advantage, no KL and no rollout-vs-actor gap (hpcrl.algos, hpcrl.workers.batching).
 
@@ -36,13 +39,14 @@ the replica split nor on which other conversations are still active, so a run is
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import logging
+import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -57,7 +61,8 @@ log = logging.getLogger("hpcrl.agents")
 
 END_REASONS = ("answer", "max_turns", "budget", "turn_length")
 # ToolResult.error_kind of a failed call (hpcrl.agents.tools), and calls past max_tool_calls_per_turn
-ERROR_KINDS = ("parse", "unknown_tool", "bad_arguments", "exception", "timeout", "too_many_calls")
+ERROR_KINDS = ("parse", "unknown_tool", "bad_arguments", "exception", "timeout", "queue_timeout", "unavailable",
+               "too_many_calls")
 
 # (requests, sampling, seeds, max new tokens) -> one completion per request, in order
 TurnGenerator = Callable[[Sequence[Sequence[int]], SamplingSettings, Sequence[int | None], Sequence[int]],
@@ -114,7 +119,8 @@ class ToolTurnRenderer:
             piece = tokenizer.decode(ids[:k], skip_special_tokens=False)
             if self.turn_end.startswith(piece):
                 self._turn_end_prefixes.append((ids[:k], self.turn_end[len(piece):]))
-        self.render([ToolResult("probe", "probe answer")], [])  # fails here, not mid-rollout
+        self._placeholder = f"HPCRL_TOOL_ANSWER_{secrets.token_hex(4)}"
+        self.token_ids([ToolResult("probe", "probe answer")], [])  # fails here, not mid-rollout
 
     def _render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
@@ -137,7 +143,26 @@ class ToolTurnRenderer:
         return self.rest_of_turn_end(model_ids) + full[len(self._closed):]
 
     def token_ids(self, results: Sequence[ToolResult], model_ids: Sequence[int]) -> list[int]:
-        return list(self.tokenizer(self.render(results, model_ids), add_special_tokens=False)["input_ids"])
+        """The tool turn's token ids: the template's text with its special tokens; each answer, which
+        a tool (or a program the model wrote) chose, as plain text where "<|im_start|>" is characters."""
+        marks = [f"{self._placeholder}_{i}_" for i in range(len(results))]
+        text = self.render([dataclasses.replace(r, content=m) for r, m in zip(results, marks)], model_ids)
+        ids: list[int] = []
+        pos = 0
+        for mark, r in zip(marks, results):
+            at = text.find(mark, pos)
+            if at < 0:
+                raise ValueError("the chat template changes a tool message's content; multi-turn rollout needs it "
+                                 "rendered as it is")
+            ids += self._ids(text[pos:at], special=True)
+            ids += self._ids(r.content, special=False)
+            pos = at + len(mark)
+        return ids + self._ids(text[pos:], special=True)
+
+    def _ids(self, text: str, special: bool) -> list[int]:
+        if not text:
+            return []
+        return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=not special)["input_ids"])
 
 
 @dataclass
@@ -195,12 +220,12 @@ class MultiTurnResult:
 
 
 class MultiTurnRollout:
-    """The turn loop (see the module docstring). Tools run on this process's event loop; sync tools
-    in its own thread pool, so that a timed-out call, which cannot be stopped, is left running
-    there instead of holding the rollout up."""
+    """The turn loop (see the module docstring). Tools run on this process's event loop; a sync
+    tool's call in a thread of its own (hpcrl.agents.tools.Tool.acall), so that a timed-out call,
+    which cannot be stopped, is left running without holding the rollout or later calls up."""
 
     def __init__(self, tokenizer: Any, tools: ToolSet, call_format: ToolCallFormat, max_turns: int,
-                 max_total_tokens: int, max_tool_calls_per_turn: int = 4, tool_threads: int = 32):
+                 max_total_tokens: int, max_tool_calls_per_turn: int = 4):
         if max_turns < 1 or max_total_tokens < 1 or max_tool_calls_per_turn < 1:
             raise ValueError("max_turns, max_total_tokens and max_tool_calls_per_turn must be >= 1")
         self.tokenizer = tokenizer
@@ -211,8 +236,6 @@ class MultiTurnRollout:
         self.max_tool_calls_per_turn = max_tool_calls_per_turn
         self.renderer = ToolTurnRenderer(tokenizer)
         self._loop = asyncio.new_event_loop()
-        self._threads = ThreadPoolExecutor(max_workers=tool_threads, thread_name_prefix="hpcrl-tool")
-        self._loop.set_default_executor(self._threads)
 
     @classmethod
     def from_config(cls, mt: Mapping[str, Any], tokenizer: Any) -> MultiTurnRollout:
@@ -233,7 +256,6 @@ class MultiTurnRollout:
                    call_format, int(mt["max_turns"]), int(mt["max_total_tokens"]), int(mt["max_tool_calls_per_turn"]))
 
     def close(self) -> None:
-        self._threads.shutdown(wait=False, cancel_futures=True)
         self._loop.close()
 
     # the loop ----------------------------------------------------------------------------------
@@ -260,7 +282,7 @@ class MultiTurnRollout:
                 if out.finish_reason != "stop":  # cut by its token limit: the turn is unfinished
                     c.end = "budget" if c.used >= self.max_total_tokens else "turn_length"
                     continue
-                calls = self.format.parse(self.tokenizer.decode(out.token_ids, skip_special_tokens=False))
+                calls = self._parse(self.tokenizer.decode(out.token_ids, skip_special_tokens=False))
                 if not calls:
                     c.end = "answer"
                 elif c.turns >= self.max_turns:
@@ -285,6 +307,14 @@ class MultiTurnRollout:
         metrics = self._metrics(convs, tool_s)
         self._report(convs, metrics)
         return MultiTurnResult(self._batch(convs), convs, metrics)
+
+    def _parse(self, text: str) -> list[ToolCall | ToolCallError]:
+        """The turn's calls; a format that raises on what the model wrote gives one parse error."""
+        try:
+            return list(self.format.parse(text))
+        except Exception as e:
+            return [ToolCallError(f"your tool calls could not be read ({type(e).__name__}); write each call as "
+                                  "the tool-call format shows.", text[-200:])]
 
     def _run_tools(self, per_conversation: list[list[ToolCall | ToolCallError]]) -> list[list[ToolResult]]:
         """Every conversation's calls of this turn, concurrently; results per conversation in call

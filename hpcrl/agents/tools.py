@@ -12,6 +12,14 @@ Flow in a rollout loop (the loop itself lives elsewhere):
 
 A tool that raises, times out or gets bad arguments gives a `ToolResult` with `error=True` and a
 message written for the model ("Error: ..."), so the model can correct itself and the loop goes on.
+Whatever the model writes (a `<tool_call>` nested a thousand deep, a 5000-digit integer) is parsed
+into such an error, never an exception out of the loop.
+
+Time: a call waits for a free slot of its tool (`Tool.try_acquire`: the python tool's sandbox slots,
+a sync tool's threads) for at most `queue_timeout_s` (error kind "queue_timeout": the call was not
+run), then its `timeout_s` starts. A sync tool's call runs in a thread of its own; a timed-out one
+cannot be stopped and is left running (abandoned), but holds no slot: later calls get new threads,
+and only when `max_hung_calls` abandoned calls of a tool are still running are its calls refused.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import json
 import math
 import operator
 import re
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +43,24 @@ from typing import Any
 
 
 class ToolError(Exception):
-    """Raised by a tool for a failure whose message is meant for the model as it is (no traceback)."""
+    """Raised by a tool for a failure whose message is meant for the model as it is (no traceback).
+    `kind` is the ToolResult.error_kind it becomes."""
+
+    def __init__(self, message: str, kind: str = "exception"):
+        super().__init__(message)
+        self.kind = kind
+
+
+class _SyncCalls:
+    """The threads of one sync tool: running calls, and abandoned (timed-out, still running) ones."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.running = 0
+        self.hung = 0
+
+
+_sync_calls_lock = threading.Lock()
 
 
 class Tool:
@@ -47,14 +73,76 @@ class Tool:
     description: str = ""
     parameters: dict[str, Any] = {"type": "object", "properties": {}}
     timeout_s: float | None = None
+    # the longest a call waits for a free slot before it is answered "queue_timeout" (None: the ToolSet's)
+    queue_timeout_s: float | None = None
+    max_concurrent_calls: int = 32  # sync tools: calls running at once
+    max_hung_calls: int = 64  # sync tools: abandoned calls still running beyond which calls are refused
 
     def call(self, arguments: dict[str, Any]) -> Any:
         raise NotImplementedError(f"tool {self.name!r} implements neither call nor acall")
 
+    def _sync_calls(self) -> _SyncCalls:
+        with _sync_calls_lock:
+            if "_calls" not in self.__dict__:
+                self.__dict__["_calls"] = _SyncCalls()
+            return self.__dict__["_calls"]
+
+    def try_acquire(self) -> bool:
+        """Take a slot for one call without waiting (False: none free now). ToolError("...",
+        "unavailable") when calls cannot run at all. The default: a sync tool's thread."""
+        calls = self._sync_calls()
+        with calls.lock:
+            if calls.hung >= self.max_hung_calls:
+                raise ToolError(f"{self.name} is not available: {calls.hung} of its calls timed out and are still "
+                                "running.", "unavailable")
+            if calls.running >= self.max_concurrent_calls:
+                return False
+            calls.running += 1
+            return True
+
+    def release(self) -> None:
+        """Give back the slot of a call that ended (the ToolSet calls it; done or timed out)."""
+        calls = self._sync_calls()
+        with calls.lock:
+            calls.running -= 1
+
     async def acall(self, arguments: dict[str, Any]) -> Any:
-        # A sync tool runs in a thread; a thread cannot be stopped, so after a timeout the call is
-        # abandoned, not killed. Tools that may hang should run their work in a process (like `python`).
-        return await asyncio.to_thread(self.call, arguments)
+        """A sync tool's call in a thread of its own. A thread cannot be stopped: after a timeout the
+        call is abandoned (counted until it ends) and later calls get new threads. Tools that may hang
+        for good should run their work in a process (like `python`)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        calls = self._sync_calls()
+        state = {"abandoned": False}
+
+        def deliver(ok: bool, value: Any) -> None:
+            if not future.done():
+                future.set_result(value) if ok else future.set_exception(value)
+
+        def work() -> None:
+            try:
+                value, ok = self.call(arguments), True
+            except BaseException as e:
+                value, ok = e, False
+            with calls.lock:
+                if state["abandoned"]:
+                    calls.hung -= 1
+                    return
+                state["abandoned"] = None  # delivered: a cancel from now on abandons nothing
+            try:
+                loop.call_soon_threadsafe(deliver, ok, value)
+            except RuntimeError:  # the loop is closed
+                pass
+
+        threading.Thread(target=work, name=f"hpcrl-tool-{self.name}", daemon=True).start()
+        try:
+            return await future
+        except asyncio.CancelledError:
+            with calls.lock:
+                if state["abandoned"] is False:
+                    state["abandoned"] = True
+                    calls.hung += 1
+            raise
 
     def schema(self) -> dict[str, Any]:
         """The tool as chat templates take it: `tokenizer.apply_chat_template(..., tools=[...])`."""
@@ -105,6 +193,10 @@ def _parse_one(raw: str) -> ToolCall | ToolCallError:
     except json.JSONDecodeError as e:
         return ToolCallError(f"the tool call is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}). "
                              f"{_CALL_HINT}", raw)
+    except RecursionError:
+        return ToolCallError(f"the tool call is nested too deeply to read. {_CALL_HINT}", raw)
+    except ValueError as e:  # e.g. an integer of more than 4300 digits
+        return ToolCallError(f"the tool call could not be read ({e}). {_CALL_HINT}", raw)
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return ToolCallError(f'the tool call must be a JSON object with a "name" string. {_CALL_HINT}', raw)
     args = obj.get("arguments", {})
@@ -114,6 +206,9 @@ def _parse_one(raw: str) -> ToolCall | ToolCallError:
         except json.JSONDecodeError as e:
             return ToolCallError(f'the "arguments" string of {obj["name"]} is not valid JSON ({e.msg}). '
                                  f"{_CALL_HINT}", raw)
+        except (ValueError, RecursionError) as e:
+            return ToolCallError(f'the "arguments" string of {obj["name"]} could not be read '
+                                 f"({type(e).__name__}). {_CALL_HINT}", raw)
     if not isinstance(args, dict):
         return ToolCallError(f'"arguments" of {obj["name"]} must be a JSON object, got {type(args).__name__}. '
                              f"{_CALL_HINT}", raw)
@@ -226,7 +321,8 @@ class ToolSet:
     """The tools of a rollout, by name. `execute` never raises: every failure is a ToolResult with
     error=True and a message for the model. Results longer than max_result_chars are cut in the middle."""
 
-    def __init__(self, tools: Iterable[Tool], default_timeout_s: float = 30.0, max_result_chars: int = 4000):
+    def __init__(self, tools: Iterable[Tool], default_timeout_s: float = 30.0, max_result_chars: int = 4000,
+                 default_queue_timeout_s: float = 60.0):
         self.tools: dict[str, Tool] = {}
         for t in tools:
             if not isinstance(t, Tool):
@@ -236,6 +332,7 @@ class ToolSet:
                                  f"format's rule): {t.name!r}")
             self.tools[t.name] = t
         self.default_timeout_s = default_timeout_s
+        self.default_queue_timeout_s = default_queue_timeout_s
         self.max_result_chars = max_result_chars
 
     def schemas(self) -> list[dict[str, Any]]:
@@ -247,6 +344,13 @@ class ToolSet:
     async def execute(self, item: ToolCall | ToolCallError) -> ToolResult:
         """Run one parsed call."""
         t0 = time.monotonic()
+        try:
+            return await self._execute(item, t0)
+        except (RecursionError, ValueError, TypeError) as e:  # checking what the model wrote: its error
+            return self._error(getattr(item, "name", ""), "bad_arguments", f"the call could not be checked "
+                               f"({type(e).__name__}).", t0)
+
+    async def _execute(self, item: ToolCall | ToolCallError, t0: float) -> ToolResult:
         if isinstance(item, ToolCallError):
             return self._error("", "parse", item.message, t0)
         tool = self.tools.get(item.name)
@@ -258,19 +362,41 @@ class ToolSet:
             return self._error(item.name, "bad_arguments", f"invalid arguments for {item.name}: "
                                f"{'; '.join(problems)}.", t0)
         timeout = tool.timeout_s if tool.timeout_s is not None else self.default_timeout_s
+        queue_timeout = tool.queue_timeout_s if tool.queue_timeout_s is not None else self.default_queue_timeout_s
+        try:
+            if not await self._acquire(tool, queue_timeout):
+                return self._error(item.name, "queue_timeout", f"{item.name} was not run: it stayed busy with other "
+                                   f"calls for {queue_timeout:g} s (not your call's doing; try again).", t0)
+        except ToolError as e:
+            return self._error(item.name, e.kind, str(e), t0)
+        started = time.monotonic()  # the call's own time starts here, not while it waited for a slot
         try:
             out = await asyncio.wait_for(tool.acall(dict(item.arguments)), timeout)
         except asyncio.TimeoutError:
             return self._error(item.name, "timeout", f"{item.name} did not finish within {timeout:g} s.", t0)
         except ToolError as e:
-            return self._error(item.name, "exception", str(e), t0)
+            return self._error(item.name, e.kind, str(e), t0)
         except Exception as e:  # a tool's bug must not end the rollout
             return self._error(item.name, "exception", f"{item.name} failed: {type(e).__name__}: {e}", t0)
-        metadata = {}
+        finally:
+            tool.release()
+        metadata = {"queued_s": started - t0}
         if isinstance(out, ToolOutput):
-            out, metadata = out.content, out.metadata
+            out, metadata = out.content, {**metadata, **out.metadata}
         return ToolResult(item.name, _trim(_as_text(out), self.max_result_chars), False, None,
                           time.monotonic() - t0, metadata)
+
+    @staticmethod
+    async def _acquire(tool: Tool, queue_timeout: float) -> bool:
+        """Wait for a slot of `tool` (polled: slots are shared with threads and other event loops)."""
+        end = time.monotonic() + queue_timeout
+        pause = 0.002
+        while not tool.try_acquire():
+            if time.monotonic() >= end:
+                return False
+            await asyncio.sleep(min(pause, max(0.0, end - time.monotonic())))
+            pause = min(pause * 2, 0.02)
+        return True
 
     async def execute_all(self, items: Sequence[ToolCall | ToolCallError]) -> list[ToolResult]:
         """Run the calls of one turn concurrently; results in call order."""
@@ -387,7 +513,11 @@ class CalculatorTool(Tool):
 class PythonTool(Tool):
     """Runs Python code in the sandbox (hpcrl.sandbox) and returns its stdout, stderr, exit status and
     any limit it hit. kwargs: the SandboxConfig fields (wall_s, cpu_s, memory_mb, ...), plus
-    max_output_chars (per stream in the answer) and max_concurrency (runs at a time in this process)."""
+    max_output_chars (per stream in the answer), max_concurrency (runs at a time in this process) and
+    queue_timeout_s (the longest a call waits for one of them). The program never sees what the code
+    reward hides (`hpcrl.sandbox.reward.default_hidden_paths`: the working folder, $HOME, the run's
+    data folders and run directory), on top of any `hidden_paths` given. Its wall limit starts when
+    the program starts; a call that found no free slot in time is answered "queue_timeout"."""
 
     name = "python"
     description = ("Run a Python 3 program and get what it prints. Each call is a fresh process with no "
@@ -399,17 +529,33 @@ class PythonTool(Tool):
         "additionalProperties": False,
     }
 
-    def __init__(self, max_output_chars: int = 2000, max_concurrency: int | None = None, **sandbox_config: Any):
+    def __init__(self, max_output_chars: int = 2000, max_concurrency: int | None = None,
+                 queue_timeout_s: float = 60.0, **sandbox_config: Any):
         from hpcrl.sandbox import Sandbox, SandboxConfig
+        from hpcrl.sandbox.reward import default_hidden_paths
 
-        config = SandboxConfig(**{"wall_s": 10.0, "cpu_s": 5.0, **sandbox_config})
+        hidden = tuple(sorted({*sandbox_config.pop("hidden_paths", ()), *default_hidden_paths()}))
+        config = SandboxConfig(**{"wall_s": 10.0, "cpu_s": 5.0, **sandbox_config, "hidden_paths": hidden})
         self.sandbox = Sandbox(config, max_concurrency=max_concurrency)
         self.max_output_chars = max_output_chars
+        self.queue_timeout_s = queue_timeout_s
         # the sandbox's wall limit ends the program; the tool timeout is only a backstop above it
         self.timeout_s = config.wall_s + 10.0
 
+    def try_acquire(self) -> bool:
+        return self.sandbox.try_acquire_slot()
+
+    def release(self) -> None:
+        pass  # the run gives its slot back when the program has ended (run_in_slot), not before
+
     async def acall(self, arguments: dict[str, Any]) -> ToolOutput:
-        r = await self.sandbox.run_async(arguments["code"])
+        job = self.sandbox._executor.submit(self.sandbox.run_in_slot, arguments["code"])
+        try:
+            r = await asyncio.wrap_future(job)
+        except asyncio.CancelledError:
+            if job.cancelled():  # never started: its slot is still ours
+                self.sandbox._slots.release()
+            raise
         if r.error:
             raise ToolError(f"the program could not be started: {r.error}")
         parts = []

@@ -4,14 +4,18 @@ Numbers first, exactly: both sides parse to rationals (thousands commas, trailin
 `\\frac{a}{b}`, percent, "$" are understood), and when both do, that comparison decides, so the common
 case never touches a CAS. Anything else goes to a symbolic check: math-verify when it is installed
 (the reference grader for MATH-style answers), else a small sympy fallback (plain expressions and simple
-LaTeX: \\frac, \\sqrt, \\cdot, ^). Symbolic checks can be slow and have no time bound of their own:
-they run inside the reward workers, under the scorer's per-sample timeout.
+LaTeX: \\frac, \\sqrt, \\cdot, ^). Symbolic checks run inside the reward workers, under the scorer's
+per-sample timeout; before them, an answer whose numbers would grow past MAX_DIGITS digits (a tower
+like `9^{9^{9}}`, which a CAS tries to compute, a factorial of a huge number) is refused at once: it is
+equal to the ground truth only as text. The bound is on the expression, not a clock, so the verdict
+does not depend on how busy the node is.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 import re
 from dataclasses import dataclass
 from fractions import Fraction
@@ -94,9 +98,111 @@ def answers_equal(pred: str, gold: str) -> bool:
     return symbolic_equal(pred, gold)
 
 
+MAX_DIGITS = 10_000
+_TOKEN = re.compile(r"\s*(?:(\d+(?:\.\d*)?|\.\d+)|([A-Za-z_]+)|(\*\*|[-+*/()!,]))")
+
+
+class _Magnitude:
+    """An upper bound on log10 of the size of every number an expression computes, over its plain
+    form (`_latex_to_plain`): numbers, names (symbols: unknown), + - * / ** !, parentheses, implicit
+    products. Parsing is lenient: a character it does not know ends a term. `too_big` is set as soon
+    as a power or factorial with known operands would pass MAX_DIGITS digits."""
+
+    def __init__(self, text: str):
+        self.tokens = [m for m in _TOKEN.finditer(text)]
+        self.i = 0
+        self.too_big = False
+
+    def peek(self) -> str | None:
+        if self.i >= len(self.tokens):
+            return None
+        m = self.tokens[self.i]
+        return m.group(3) or ("num" if m.group(1) else "name")
+
+    def expr(self, depth: int = 0) -> float | None:
+        if depth > 200:
+            self.too_big = True  # nested beyond reason: not worth a CAS's time
+            return None
+        mags = [self.term(depth)]
+        while self.peek() in ("+", "-", ","):
+            self.i += 1
+            mags.append(self.term(depth))
+        return None if None in mags else max(mags) + 0.31  # log10(2): a sum at most doubles
+
+    def term(self, depth: int) -> float | None:
+        mags = [self.factor(depth)]
+        while self.peek() in ("*", "/", "num", "name", "("):
+            if self.peek() in ("*", "/"):
+                self.i += 1
+            mags.append(self.factor(depth))
+        return None if None in mags else sum(mags)
+
+    def factor(self, depth: int) -> float | None:
+        base = self.unary(depth)
+        if self.peek() != "**":
+            return base
+        self.i += 1
+        exponent = self.factor(depth + 1)
+        if base is None or exponent is None:
+            return None
+        if base <= 0.31:  # |base| <= 1 (or 2 after rounding up): no growth worth bounding
+            return base
+        digits = 10 ** min(exponent, 300) * base
+        if exponent > 300 or digits > MAX_DIGITS:
+            self.too_big = True
+        return digits
+
+    def unary(self, depth: int) -> float | None:
+        while self.peek() in ("-", "+"):
+            self.i += 1
+        value = self.atom(depth)
+        while self.peek() == "!":
+            self.i += 1
+            if value is not None:
+                n = 10 ** min(value, 300)
+                if value > 300 or n * max(math.log10(n), 1.0) > MAX_DIGITS:
+                    self.too_big = True
+                value = n * max(math.log10(n), 1.0)
+        return value
+
+    def atom(self, depth: int) -> float | None:
+        kind = self.peek()
+        if kind is None:
+            return 0.0
+        m = self.tokens[self.i]
+        self.i += 1
+        if kind == "num":
+            return math.log10(float(m.group(1)) + 1.0)
+        if kind == "name":
+            return None
+        if kind == "(":
+            value = self.expr(depth + 1)
+            if self.peek() == ")":
+                self.i += 1
+            return value
+        return 0.0  # a stray operator: skip it
+
+
+def too_big_to_compare(answer: str) -> bool:
+    """Whether some number in `answer` (LaTeX or plain) would have more than MAX_DIGITS digits."""
+    plain = _latex_to_plain(answer)
+    if len(plain) > 10_000:
+        return True
+    parser = _Magnitude(plain)
+    while parser.i < len(parser.tokens) and not parser.too_big:
+        before = parser.i
+        parser.expr()
+        if parser.i == before:
+            parser.i += 1
+    return parser.too_big
+
+
 def symbolic_equal(pred: str, gold: str, backend: str = "auto") -> bool:
     """Symbolic equivalence; backend "auto" (math-verify when installed), "math_verify" or "sympy".
-    Never raises on unparseable input: that is a wrong answer, not an error."""
+    Never raises on unparseable input: that is a wrong answer, not an error. An answer that
+    `too_big_to_compare` is not equal (answers_equal has compared the texts already)."""
+    if too_big_to_compare(pred) or too_big_to_compare(gold):
+        return False
     if backend == "math_verify" or (backend == "auto" and HAVE_MATH_VERIFY):
         return _math_verify_equal(pred, gold)
     return _sympy_equal(pred, gold)

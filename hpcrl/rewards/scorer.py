@@ -150,7 +150,7 @@ class RewardScorer:
         self.timeout_s = float(timeout_s)
         self.format_weight = float(format_weight)
         self._init = {"function": function, "sys_path": list(sys.path), "format_weight": self.format_weight,
-                      "parent_pid": os.getpid()}
+                      "parent_pid": os.getpid(), "timeout_s": self.timeout_s}
         self._env = worker_env()
         self._sel = selectors.DefaultSelector()
         self._workers: list[_Worker] = []

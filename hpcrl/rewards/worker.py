@@ -6,7 +6,8 @@ child, which re-imports the controller's __main__) could touch MPI or inherit to
 process imports only hpcrl.rewards and the reward function's module.
 
 Protocol on the inherited stdin/stdout pipes: frames of an 8-byte big-endian length and a pickle.
-  parent -> worker: ("init", {...}), then ("score", [(index, data_source, response, ground_truth,
+  parent -> worker: ("init", {function, sys_path, format_weight, parent_pid, timeout_s}), then
+                    ("score", [(index, data_source, response, ground_truth,
                     extra_info, truncated), ...]); EOF means exit.
   worker -> parent: ("ready", pid) or ("init_error", message); ("result", index, {...}) per sample, in
                     order, as each finishes, so the parent knows which sample a hang belongs to.
@@ -109,8 +110,22 @@ def describe(e: BaseException) -> str:
     return text
 
 
+# When the scorer's per-sample timeout ends for the sample being scored (time.monotonic()), None
+# outside a worker: a reward that runs for long (the code reward) stays inside it.
+_sample_deadline: float | None = None
+_sample_timeout_s: float | None = None
+
+
+def sample_deadline() -> float | None:
+    """The monotonic time at which the scorer gives up on the sample being scored, or None."""
+    return _sample_deadline
+
+
 def evaluate(fn: Callable, builtin: bool, format_weight: float, item: tuple) -> dict[str, Any]:
+    global _sample_deadline
     _, data_source, response, ground_truth, extra_info, truncated = item
+    if _sample_timeout_s is not None:
+        _sample_deadline = time.monotonic() + _sample_timeout_s
     try:
         if builtin:
             out = fn(data_source, response, ground_truth, extra_info, format_weight=format_weight,
@@ -162,6 +177,8 @@ def main() -> None:
     if msg is None or msg[0] != "init":
         return
     init = msg[1]
+    global _sample_timeout_s
+    _sample_timeout_s = init.get("timeout_s")
     threading.Thread(target=_exit_when_orphaned, args=(init["parent_pid"],), daemon=True).start()
     try:
         fn, builtin = _load(init)

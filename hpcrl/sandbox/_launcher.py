@@ -55,6 +55,8 @@ MS_RELATIME = 1 << 21
 MS_STRICTATIME = 1 << 24
 
 PR_SET_PDEATHSIG = 1
+PR_SET_SECCOMP = 22
+SECCOMP_MODE_FILTER = 2
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
 
@@ -76,6 +78,17 @@ def _mount(source: str | None, target: str, fstype: str | None, flags: int, data
 
 def _prctl(option: int, arg: int) -> None:
     _check(_libc.prctl(option, arg, 0, 0, 0), f"prctl({option})")
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+def _install_seccomp(program: bytes) -> None:
+    """The BPF program (struct sock_filter[], built by the caller: hpcrl/sandbox/seccomp.py)."""
+    buf = ctypes.create_string_buffer(program, len(program))
+    prog = _SockFprog(len(program) // 8, ctypes.addressof(buf))
+    _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.addressof(prog), 0, 0), "seccomp filter")
 
 
 class Reporter:
@@ -141,21 +154,58 @@ def _remount_everything_read_only() -> list[str]:
     return failed
 
 
+def _within(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+def _hide_folder(path: str, exposed: dict[str, int]) -> None:
+    """Cover `path` with an empty read-only tmpfs. Paths under it that the program needs (the
+    interpreter's installation) are bound back read-only from the file descriptors opened before
+    anything was covered; the folders on the way to them can be passed but not listed (mode 711)."""
+    inside = [p for p in exposed if _within(p, path) and p != path]
+    if not inside:
+        _mount("hidden", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=000")
+        return
+    _mount("hidden", path, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=711")
+    for p in inside:
+        rel = p[len(path.rstrip("/")) + 1:]
+        parent = os.path.join(path, os.path.dirname(rel))
+        os.makedirs(parent, mode=0o711, exist_ok=True)
+        target = os.path.join(path, rel)
+        if os.path.isdir(f"/proc/self/fd/{exposed[p]}"):
+            os.makedirs(target, mode=0o711, exist_ok=True)
+        elif not os.path.lexists(target):
+            open(target, "w").close()
+        _mount(f"/proc/self/fd/{exposed[p]}", target, None, MS_BIND)
+    _mount(None, path, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+
+
 def _setup_mounts(spec: dict, files: dict[str, bytes]) -> dict:
-    """In the new mount namespace (as its root): host read-only, hidden paths covered, one private
-    tmpfs for /tmp (also bound on /var/tmp and /dev/shm) holding the working directory, a fresh /proc."""
+    """In the new mount namespace (as its root): host read-only, hidden paths covered (with the
+    interpreter bound back where it lies inside one), one private tmpfs for /tmp (also bound on
+    /var/tmp and /dev/shm) holding the working directory, a fresh /proc."""
     info: dict = {}
     _mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we mount reaches the host
+    exposed = {}
+    for p in spec["expose"]:
+        try:
+            exposed[p] = os.open(p, os.O_PATH | os.O_CLOEXEC)
+        except OSError:
+            pass
     hidden = []
-    for path in spec["hidden_paths"]:
+    # parents first: a folder inside one already covered no longer exists and is skipped
+    for path in sorted(spec["hidden_paths"], key=len):
         if os.path.isdir(path):
-            _mount("hidden", path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=000")
+            _hide_folder(path, exposed)
             hidden.append(path)
         elif os.path.exists(path):
             _mount("/dev/null", path, None, MS_BIND)
             _mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY)
             hidden.append(path)
+    for fd in exposed.values():
+        os.close(fd)
     info["hidden"] = hidden
+    info["exposed"] = [p for p in exposed if any(_within(p, h) for h in hidden)]
     info["not_read_only"] = _remount_everything_read_only()
     _mount("sandbox", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={spec['disk_mb']}m,mode=1777")
     for extra in ("/var/tmp", "/dev/shm"):
@@ -184,9 +234,16 @@ def _setup_mounts(spec: dict, files: dict[str, bytes]) -> dict:
     return info
 
 
-def _exec_program(spec: dict, err_fd: int) -> None:
-    """In the program's process: limits, privileges dropped, exec. Never returns."""
+def _exec_program(spec: dict, err_fd: int, cgroup_fds: list[int]) -> None:
+    """In the program's process: its cgroup, limits, privileges dropped, the seccomp filter, exec.
+    Never returns. A failure before exec is a setup error ("setup: ...") or, for execve itself, the
+    interpreter's."""
+    stage = "setup: "
     try:
+        # "0": the writer (v1 `tasks`: this thread, the only one of this fresh fork); all it starts inherits it
+        for fd in cgroup_fds:
+            os.write(fd, b"0")
+            os.close(fd)
         # Python ignores SIGPIPE and SIGXFSZ, and an ignored signal stays ignored across exec
         for sig in (signal.SIGPIPE, signal.SIGXFSZ):
             signal.signal(sig, signal.SIG_DFL)
@@ -198,10 +255,13 @@ def _exec_program(spec: dict, err_fd: int) -> None:
             os.setgroups([])
             os.setgid(spec["gid"])
             os.setuid(spec["uid"])
+        if spec["seccomp"]:
+            _install_seccomp(spec["seccomp"])
         os.chdir(spec["workdir"])
+        stage = ""
         os.execve(spec["argv"][0], spec["argv"], spec["env"])
     except BaseException as e:
-        os.write(err_fd, f"{type(e).__name__}: {e}".encode())
+        os.write(err_fd, f"{stage}{type(e).__name__}: {e}".encode())
     os._exit(127)
 
 
@@ -219,7 +279,7 @@ def _kill_leftovers_of_uid(uid: int) -> None:
     os.waitpid(pid, 0)
 
 
-def _init(spec: dict, reporter: Reporter, namespaces: bool) -> None:
+def _init(spec: dict, reporter: Reporter, namespaces: bool, cgroup_fds: list[int]) -> None:
     """PID 1 of the sandbox (or a subreaper when there are no namespaces). Never returns."""
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the caller killed the launcher: the sandbox goes too
     isolation: dict = {"namespaces": namespaces}
@@ -239,8 +299,10 @@ def _init(spec: dict, reporter: Reporter, namespaces: bool) -> None:
     program = os.fork()
     if program == 0:
         os.close(err_r)
-        _exec_program(spec, err_w)
+        _exec_program(spec, err_w, cgroup_fds)
     os.close(err_w)
+    for fd in cgroup_fds:
+        os.close(fd)
     # init holds no copy of the program's stdio: the caller's EOF then means the program is done
     null = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
@@ -278,8 +340,24 @@ def _init(spec: dict, reporter: Reporter, namespaces: bool) -> None:
 
 def main() -> None:
     spec = marshal.loads(bytes.fromhex(sys.argv[1]))
+    # the caller died (a reward worker killed at its timeout): the launcher goes, init follows it, and
+    # init's end empties the PID namespace. The caller's thread waits for this process until it
+    # exits, so the signal cannot come from that thread ending early.
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != spec["caller_pid"]:
+        os._exit(0)
     reporter = Reporter(spec["status_fd"])
     os.set_inheritable(spec["status_fd"], False)  # the program must not inherit the status pipe
+    # the run cgroup's attach files (cgroup.py), opened here in the host's mount namespace: the copy of
+    # /sys/fs/cgroup in the sandbox's is read-only, and an fd open for writing on it would make that
+    # remount fail
+    cgroup_fds = []
+    try:
+        for path in spec["cgroup_attach"]:
+            cgroup_fds.append(os.open(path, os.O_WRONLY | os.O_CLOEXEC))
+    except OSError as e:
+        reporter.send({"setup_error": f"opening {e.filename}: {e.strerror}", "stage": "cgroup"})
+        return
     namespaces = False
     flags = CLONE_NEWNET | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS
     if spec["user_namespace"]:
@@ -301,7 +379,7 @@ def main() -> None:
             return
     init = os.fork()
     if init == 0:
-        _init(spec, reporter, namespaces)
+        _init(spec, reporter, namespaces, cgroup_fds)
     for fd in (0, 1, 2):  # the launcher holds no copy of the program's stdio either
         os.close(fd)
     os.waitpid(init, 0)

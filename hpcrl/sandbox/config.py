@@ -20,8 +20,10 @@ class SandboxConfig:
 
     wall_s: float = 10.0  # wall-clock time; the caller kills the sandbox at the deadline
     cpu_s: float | None = 5.0  # CPU seconds per process (RLIMIT_CPU, whole seconds, rounded up)
-    memory_mb: int | None = 512  # address space per process (RLIMIT_AS)
-    max_processes: int | None = 32  # processes + threads of the sandbox uid (RLIMIT_NPROC)
+    # Address space per process (RLIMIT_AS), and with disk_mb the memory of the whole run (its cgroup:
+    # resident, shared memory, memfd and the private tmpfs of all its processes: memory_mb + disk_mb).
+    memory_mb: int | None = 512
+    max_processes: int | None = 32  # processes + threads of the run (the cgroup's pids.max; RLIMIT_NPROC)
     max_file_mb: float | None = 16.0  # size of any one file written (RLIMIT_FSIZE)
     max_open_files: int = 256  # RLIMIT_NOFILE
     max_output_bytes: int = 1 << 20  # stdout and stderr each; more ends the run (limit "output")
@@ -43,6 +45,11 @@ class SandboxConfig:
     # namespaces), run programs anyway WITH THE HOST'S NETWORK and without the PID and mount
     # namespaces (no read-only host, no private /tmp, no hidden paths). False: refuse to start.
     allow_host_network_fallback: bool = False
+    # True: where no cgroup can be made for a run (cgroup v2 without memory and pids delegated to this
+    # process, and no writable cgroup v1 memory and pids hierarchies), run programs anyway WITHOUT A
+    # MEMORY BOUND ON THE RUN AS A WHOLE: shared memory and memfds escape the per-process limit, and the
+    # process limit is the uid's RLIMIT_NPROC only. False: refuse to start.
+    allow_without_cgroup: bool = False
 
     def __post_init__(self) -> None:
         problems = []

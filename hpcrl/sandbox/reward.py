@@ -12,15 +12,19 @@ The program is the last ```python fenced block of the response. Test cases come 
 `extra_info["test_cases"]` when the row has it, else from the ground truth, as JSON in one of:
   - {"inputs": [...], "outputs": [...]}        stdin/stdout pairs (APPS/TACO style)
   - [{"input": "...", "output": "..."}, ...]   stdin/stdout pairs
-  - ["assert f(2) == 4", ...]                   statements run after the program (MBPP style)
-Outputs are compared line by line with trailing whitespace and blank edge lines ignored.
+  - ["assert f(2) == 4", ...]                   assert (and import) statements (MBPP style)
+Outputs are compared line by line with trailing whitespace and blank edge lines ignored. Assert
+cases are judged in a process apart from the solution's (hpcrl/sandbox/asserts.py): the solution's
+run only computes the values the asserts need (`f(2)`), a harness run compares them strictly.
 
 Any limit hit (time, CPU, memory, processes, file size, output) scores the whole sample 0. The
 function never raises for a program's behaviour; a malformed ground truth raises ValueError, which
 the reward worker scores 0 and counts in reward/errors.
 
-Keep `reward.timeout_s` (the scorer's per-sample bound) above `total_timeout_s` (default 8 s): the
-scorer otherwise kills the worker mid-sample and scores it 0 as a timeout.
+The sample's runs end within `total_timeout_s` (default 8 s) and, in a reward worker, within the
+scorer's `reward.timeout_s` less a margin (each run's wall limit is cut to the time left), so the
+scorer does not kill the worker mid-sample. Programs hide the trainer's working folder, $HOME, and
+the run's data folders and run directory (`default_hidden_paths`).
 """
 
 from __future__ import annotations
@@ -28,20 +32,18 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
+from hpcrl.sandbox.asserts import harness_program, plan_case, read_values, read_verdicts, server_program
 from hpcrl.sandbox.config import SandboxConfig
 from hpcrl.sandbox.runner import ProgramJob, Sandbox, SandboxResult
 
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
-# Where the trainer was started holds data/ (the ground truths) and runs/; $HOME holds keys. Never
-# hidden: anything an interpreter needs.
+# Never hidden: system folders.
 _NEVER_HIDE = ("/", "/usr", "/lib", "/lib64", "/bin", "/etc", "/dev", "/proc", "/sys", "/tmp")
 
 
@@ -99,64 +101,152 @@ def normalize_output(text: str) -> str:
     return "\n".join(lines).strip("\n")
 
 
-def _job(program: str, case: CodeTestCase) -> tuple[ProgramJob, str | None]:
-    """The program run for one case, and for assert cases the marker the run must print last: the
-    statements ran to the end (a bare `sys.exit(0)` in the solution would otherwise pass them all)."""
-    if case.kind == "io":
-        return ProgramJob(program, stdin=case.input), None
-    marker = f"hpcrl-tests-done-{secrets.token_hex(8)}"
-    return ProgramJob(f"{program}\n\n{case.statement}\nprint({marker!r})\n"), marker
+def _passed_io(case: CodeTestCase, r: SandboxResult) -> bool:
+    return r.ok and normalize_output(r.stdout) == normalize_output(case.output)
 
 
-def _passed(case: CodeTestCase, marker: str | None, r: SandboxResult) -> bool:
-    if not r.ok:
-        return False
-    if case.kind == "io":
-        return normalize_output(r.stdout) == normalize_output(case.output)
-    return r.stdout.rstrip("\n").rsplit("\n", 1)[-1] == marker
+# Where the controller keeps what programs must not read, beyond the working folder and $HOME: set by
+# `hide_run_paths_from_programs` in the controller, inherited by the reward workers' environment.
+HIDDEN_PATHS_ENV = "HPCRL_SANDBOX_HIDDEN_PATHS"
 
 
 def default_hidden_paths() -> tuple[str, ...]:
-    """The folder the trainer runs from and $HOME, unless they hold the system or the interpreter."""
-    from hpcrl.sandbox.runner import default_python
+    """What every sandboxed program of a run is kept from: the folder the trainer runs from (data/,
+    runs/), $HOME (keys, caches), and the run's data folders and run directory when the controller
+    named them (HIDDEN_PATHS_ENV). System folders are never hidden; an interpreter that lives inside a
+    hidden folder (a venv in the project, conda under $HOME) is bound back read-only by the sandbox."""
+    found = {os.path.realpath(os.getcwd()), os.path.realpath(os.path.expanduser("~"))}
+    found |= {os.path.realpath(p) for p in os.environ.get(HIDDEN_PATHS_ENV, "").split(os.pathsep) if p}
+    return tuple(sorted(p for p in found if p not in _NEVER_HIDE and not any(_within(n, p) for n in _NEVER_HIDE[1:])))
 
-    python = default_python()
-    # the interpreter's path, where it really is, and (a venv) the environment it belongs to
-    needed = {os.path.abspath(python), os.path.realpath(python)}
-    if os.path.realpath(python) == os.path.realpath(sys.executable):
-        needed |= {sys.prefix, sys.base_prefix}
-    out = []
-    for p in {os.path.realpath(os.getcwd()), os.path.realpath(os.path.expanduser("~"))}:
-        if p in _NEVER_HIDE or any(_within(n, p) for n in (*_NEVER_HIDE[1:], *needed)):
-            continue
-        out.append(p)
+
+def run_hidden_paths(cfg: Mapping[str, Any]) -> tuple[str, ...]:
+    """A run's folders that hold answers or its state, from its config (a plain dict): the folder of
+    every `data.*_files` entry and `trainer.run_dir`."""
+    out = set()
+    for key, value in (cfg.get("data") or {}).items():
+        if key.endswith("_files") and value:
+            for f in [value] if isinstance(value, str) else value:
+                out.add(os.path.dirname(os.path.abspath(str(f))))
+    run_dir = (cfg.get("trainer") or {}).get("run_dir")
+    if run_dir:
+        out.add(os.path.abspath(str(run_dir)))
     return tuple(sorted(out))
+
+
+def hide_run_paths_from_programs(cfg: Mapping[str, Any]) -> tuple[str, ...]:
+    """In the controller, before tools and reward workers start: every sandbox of the run (the python
+    tool, the code reward in the workers, which inherit the environment) hides the run's data folders
+    and run directory on top of the defaults. Returns what is now hidden."""
+    paths = run_hidden_paths(cfg)
+    os.environ[HIDDEN_PATHS_ENV] = os.pathsep.join(paths)
+    return default_hidden_paths()
 
 
 def _within(path: str, folder: str) -> bool:
     return path == folder or path.startswith(folder.rstrip("/") + "/")
 
 
+def _with_default_hidden(config: SandboxConfig) -> SandboxConfig:
+    return replace(config, hidden_paths=tuple(sorted({*config.hidden_paths, *default_hidden_paths()})))
+
+
+def _deadline(total_timeout_s: float) -> float:
+    """When this sample's reward must be done: total_timeout_s from now, and inside the scorer's own
+    per-sample timeout when running in a reward worker (a margin for what follows the last run)."""
+    from hpcrl.rewards.worker import sample_deadline
+
+    end = time.monotonic() + total_timeout_s
+    scorer_end = sample_deadline()
+    if scorer_end is not None:
+        end = min(end, scorer_end - _MARGIN_S - 0.05 * (scorer_end - time.monotonic()))
+    return end
+
+
+_MARGIN_S = 1.0
+_MIN_RUN_S = 0.05  # less time than this left: the case is not started (a time limit hit)
+
+
+def _capped(config: SandboxConfig, end: float) -> SandboxConfig | None:
+    left = end - time.monotonic()
+    if left < _MIN_RUN_S:
+        return None
+    return replace(config, wall_s=min(config.wall_s, left)) if left < config.wall_s else config
+
+
+def _run_io(box: Sandbox, program: str, cases: list[CodeTestCase], end: float,
+            all_or_nothing: bool) -> tuple[int, bool]:
+    """(cases passed, a limit was hit) for stdin/stdout cases."""
+    passed = 0
+    for start in range(0, len(cases), box.max_concurrency):
+        config = _capped(box.config, end)
+        if config is None:
+            return passed, True
+        batch = cases[start:start + box.max_concurrency]
+        results = box.run_many([ProgramJob(program, stdin=c.input) for c in batch], config)
+        if any(r.limit is not None for r in results):
+            return passed, True
+        ok = [_passed_io(c, r) for c, r in zip(batch, results)]
+        passed += sum(ok)
+        if all_or_nothing and not all(ok):
+            break
+    return passed, False
+
+
+def _run_asserts(box: Sandbox, program: str, cases: list[CodeTestCase], end: float,
+                 all_or_nothing: bool) -> tuple[int, bool]:
+    """(cases passed, a limit was hit) for assert cases: the solution's runs give values, one harness
+    run judges them (hpcrl.sandbox.asserts)."""
+    plans = [plan_case(c.statement) for c in cases]
+    values: list[list | None] = []
+    for start in range(0, len(plans), box.max_concurrency):
+        config = _capped(box.config, end)
+        if config is None:
+            return 0, True
+        batch = plans[start:start + box.max_concurrency]
+        jobs = [server_program(program, p) for p in batch]
+        results = box.run_many([ProgramJob(src) for src, _ in jobs], config)
+        if any(r.limit is not None for r in results):
+            return 0, True
+        got = [read_values(r.stdout, nonce, len(p.units)) if r.ok else None
+               for (_, nonce), p, r in zip(jobs, batch, results)]
+        values += got
+        if all_or_nothing and any(v is None for v in got):
+            return 0, False
+    config = _capped(box.config, end)
+    if config is None:
+        return 0, True
+    judged = box.run(harness_program(plans), stdin=json.dumps(values), config=config)
+    if judged.limit is not None:
+        return 0, True
+    if not judged.ok:
+        raise ValueError(f"the assert harness failed: {judged.error or judged.stderr[-300:]}")
+    return sum(read_verdicts(judged.stdout, len(plans))), False
+
+
 def make_code_reward(config: SandboxConfig | None = None, *, all_or_nothing: bool = False,
                      max_concurrency: int | None = None, total_timeout_s: float = 8.0) -> Callable[..., dict]:
     """A reward function fn(data_source, solution_str, ground_truth, extra_info=None) -> dict that runs
     the response's program against the sample's test cases in a `Sandbox(config)` (made at the first
-    call, in the reward worker). Returns {"score", "acc" (all passed), "format" (a program was found),
-    "pass_rate", "tests", "limit_hit"}. Cases run `max_concurrency` at a time; in all-or-nothing mode
-    the remaining batches are skipped after the first failure. Cases not run within total_timeout_s
-    count as a time limit hit."""
+    call, in the reward worker; `default_hidden_paths()` are hidden on top of config.hidden_paths).
+    Returns {"score", "acc" (all passed), "format" (a program was found), "pass_rate", "tests",
+    "limit_hit"}. Cases run `max_concurrency` at a time; in all-or-nothing mode the remaining batches
+    are skipped after the first failure. The sample's time is total_timeout_s, and inside a reward
+    worker also the scorer's reward.timeout_s less a margin: every run's wall limit is cut to what is
+    left, and cases not run in time count as a time limit hit."""
     lock = threading.Lock()
     holder: dict[str, Sandbox] = {}
 
     def sandbox() -> Sandbox:
         with lock:
             if "box" not in holder:
-                cfg = config or SandboxConfig(wall_s=4.0, cpu_s=2.0, hidden_paths=default_hidden_paths())
+                cfg = _with_default_hidden(config or SandboxConfig(wall_s=4.0, cpu_s=2.0))
                 holder["box"] = Sandbox(cfg, max_concurrency=max_concurrency)
             return holder["box"]
 
     def code_reward(data_source: str, solution_str: str, ground_truth: str,
                     extra_info: dict | None = None) -> dict[str, float]:
+        end = _deadline(total_timeout_s)
         cases = parse_test_cases(ground_truth, extra_info)
         program = extract_program(solution_str)
         out = {"score": 0.0, "acc": 0.0, "format": 0.0, "pass_rate": 0.0, "tests": float(len(cases)),
@@ -165,23 +255,10 @@ def make_code_reward(config: SandboxConfig | None = None, *, all_or_nothing: boo
             return out
         out["format"] = 1.0
         box = sandbox()
-        end = time.monotonic() + total_timeout_s
-        passed = 0
-        for start in range(0, len(cases), box.max_concurrency):
-            if time.monotonic() >= end:
-                out["limit_hit"] = 1.0
-                break
-            batch = cases[start:start + box.max_concurrency]
-            jobs = [_job(program, c) for c in batch]
-            results = box.run_many([j for j, _ in jobs])
-            if any(r.limit is not None for r in results):
-                out["limit_hit"] = 1.0
-                break
-            ok = [_passed(c, marker, r) for c, (_, marker), r in zip(batch, jobs, results)]
-            passed += sum(ok)
-            if all_or_nothing and not all(ok):
-                break
-        if out["limit_hit"]:
+        run = _run_asserts if cases[0].kind == "assert" else _run_io
+        passed, limit_hit = run(box, program, cases, end, all_or_nothing)
+        if limit_hit:
+            out["limit_hit"] = 1.0
             return out
         out["pass_rate"] = passed / len(cases)
         out["acc"] = 1.0 if passed == len(cases) else 0.0

@@ -32,7 +32,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from hpcrl.sandbox.cgroup import RunCgroup, sweep_stale
+from hpcrl.sandbox.cgroup import layout as cgroup_layout
 from hpcrl.sandbox.config import SandboxConfig
+from hpcrl.sandbox.limits import classify, rlimits
+from hpcrl.sandbox.seccomp import no_user_namespaces_filter
 
 log = logging.getLogger("hpcrl.sandbox")
 
@@ -44,13 +48,6 @@ _READ_CHUNK = 1 << 16
 # After the launcher has exited, how long output pipes still held open by escaped processes are read.
 _EXIT_GRACE_S = 0.5
 _SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
-
-# What Python prints when the kernel refuses a limit-bound request. The kernel tells only the program,
-# so for memory, processes and file size the result reads it from stderr (see `classify`).
-_MEMORY_SIGNS = (b"MemoryError", b"Cannot allocate memory")
-_PROCESS_SIGNS = (b"[Errno 11] Resource temporarily unavailable", b"can't start new thread")
-_FILE_SIZE_SIGNS = (b"[Errno 27] File too large",)
-
 
 class SandboxUnavailableError(RuntimeError):
     """The sandbox cannot isolate programs here (no namespaces, no usable interpreter): a setup problem
@@ -79,6 +76,9 @@ class SandboxResult:
     max_rss_mb: float | None = None
     error: str | None = None
     isolation: dict[str, Any] = field(default_factory=dict)
+    # the run's cgroup counters (hpcrl.sandbox.cgroup.RunCgroup.usage): memory_limit_hits, oom_kills,
+    # processes_limit_hits, peak_memory_mb; {} without a cgroup
+    usage: dict[str, float] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -173,57 +173,46 @@ class _UidSlot:
         self.sock.close()
 
 
-def _rlimits(config: SandboxConfig) -> dict[str, tuple[int, int]]:
-    limits: dict[str, tuple[int, int]] = {"RLIMIT_CORE": (0, 0),
-                                          "RLIMIT_NOFILE": (config.max_open_files, config.max_open_files)}
-    if config.cpu_s is not None:
-        # SIGXCPU at the soft limit ends a process; SIGKILL at the hard one ends one that ignores it
-        soft = math.ceil(config.cpu_s)
-        limits["RLIMIT_CPU"] = (soft, soft + 1)
-    if config.memory_mb is not None:
-        limits["RLIMIT_AS"] = (config.memory_mb << 20, config.memory_mb << 20)
-    if config.max_processes is not None:
-        limits["RLIMIT_NPROC"] = (config.max_processes, config.max_processes)
-    if config.max_file_mb is not None:
-        size = int(config.max_file_mb * (1 << 20))
-        limits["RLIMIT_FSIZE"] = (size, size)
-    return limits
-
-
 def _program_env(config: SandboxConfig, workdir: str) -> dict[str, str]:
     env = {"PATH": _SAFE_PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "HOME": workdir, "TMPDIR": "/tmp"}
     env.update({str(k): str(v) for k, v in config.env.items()})
     return env
 
 
-def classify(config: SandboxConfig, killed_for: str | None, wait_status: int | None, cpu_s: float | None,
-             stderr: bytes) -> tuple[str | None, str | None]:
-    """(limit, signal name) of a finished run. Time and output limits are known for certain (the caller
-    enforced them); a signal tells CPU time and file size; memory, processes and file size are also
-    read from the messages Python prints when the kernel refuses the request."""
-    sig_name = None
-    if wait_status is not None and os.WIFSIGNALED(wait_status):
-        sig = os.WTERMSIG(wait_status)
+def _cgroup_help(reason: str) -> str:
+    return (f"the sandbox cannot give a run a cgroup here: {reason}. The cgroup is what bounds a run's memory "
+            "as a whole (shared memory, memfds and tmpfs pages escape the per-process RLIMIT_AS) and counts its "
+            "processes. Give this process a cgroup v2 subtree with the memory and pids controllers delegated "
+            "(e.g. systemd-run -p Delegate=yes, or a container whose cgroup root is its own), or run as root "
+            "where cgroup v1 memory and pids hierarchies are mounted. To run programs WITHOUT a memory bound "
+            "on the run as a whole instead, set SandboxConfig(allow_without_cgroup=True).")
+
+
+@functools.lru_cache(maxsize=8)
+def _interpreter_prefixes(python: str) -> tuple[str, ...]:
+    """The folders an interpreter needs: its installation (sys.prefix, sys.base_prefix, and where the
+    executable really lies). Asked from the interpreter itself once per process."""
+    real = os.path.realpath(python)
+    if real == os.path.realpath(sys.executable):
+        found = [sys.prefix, sys.base_prefix]
+    else:
         try:
-            sig_name = signal.Signals(sig).name
-        except ValueError:
-            sig_name = str(sig)
-    if killed_for is not None:
-        return killed_for, "SIGKILL"
-    if sig_name == "SIGXCPU" or (sig_name == "SIGKILL" and config.cpu_s is not None and cpu_s is not None
-                                 and cpu_s >= math.ceil(config.cpu_s) - 0.05):
-        return "cpu", sig_name
-    if sig_name == "SIGXFSZ":
-        return "file_size", sig_name
-    if any(s in stderr for s in _MEMORY_SIGNS):
-        return "memory", sig_name
-    if any(s in stderr for s in _PROCESS_SIGNS):
-        return "processes", sig_name
-    if any(s in stderr for s in _FILE_SIZE_SIGNS):
-        return "file_size", sig_name
-    if sig_name is not None:
-        return "signal", sig_name
-    return None, None
+            out = subprocess.run([python, "-I", "-c", "import sys; print(sys.prefix); print(sys.base_prefix)"],
+                                 capture_output=True, text=True, timeout=60, env={"PATH": _SAFE_PATH}).stdout
+            found = out.split("\n")[:2]
+        except (OSError, subprocess.TimeoutExpired):
+            found = []
+    found.append(os.path.dirname(os.path.dirname(real)))
+    return tuple(sorted({os.path.realpath(p) for p in found if p and os.path.isabs(p)}))
+
+
+def _exposed_paths(python: str, hidden: Sequence[str]) -> list[str]:
+    """The interpreter's folders that lie inside a hidden path: bound back read-only in the sandbox."""
+    needed = {os.path.abspath(python), *_interpreter_prefixes(python)}
+    needed |= {os.path.dirname(os.path.abspath(python))}
+    inside = sorted(p for p in needed if any(p.startswith(h.rstrip("/") + "/") for h in hidden))
+    # a folder bound back brings what is under it: keep the outermost ones
+    return [p for p in inside if not any(p != q and p.startswith(q.rstrip("/") + "/") for q in inside)]
 
 
 def _namespace_help(error: str) -> str:
@@ -367,10 +356,20 @@ def run_program(source: str, stdin: str | bytes = b"", argv: Sequence[str] = (),
     python = config.python or default_python()
     stdin_bytes = stdin.encode() if isinstance(stdin, str) else bytes(stdin)
     root = os.geteuid() == 0
-    t0 = time.monotonic()
+    lay, why_no_cgroup = cgroup_layout()
+    if lay is None and not config.allow_without_cgroup:
+        raise SandboxUnavailableError(_cgroup_help(why_no_cgroup))
+    try:
+        seccomp_filter = no_user_namespaces_filter()
+    except ValueError as e:
+        raise SandboxUnavailableError(f"{e}: programs could make user namespaces of their own (and mount what "
+                                      "they like in them); not supported here") from None
+    hidden = [os.path.abspath(p) for p in config.hidden_paths]
     slot = _UidSlot(config) if root else None
     workdir = ""
     status_r = status_w = -1
+    run_cgroup = None
+    usage: dict[str, float] = {}
     try:
         workdir = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-", dir=config.work_root)
         with open(os.path.join(workdir, PROGRAM_NAME), "w", encoding="utf-8") as f:
@@ -378,6 +377,12 @@ def run_program(source: str, stdin: str | bytes = b"", argv: Sequence[str] = (),
         if slot is not None:  # without a mount namespace the program works in this very folder
             for p in (workdir, os.path.join(workdir, PROGRAM_NAME)):
                 os.chown(p, slot.uid, slot.uid)
+        if lay is not None:
+            memory = None if config.memory_mb is None else (config.memory_mb + config.disk_mb) << 20
+            try:
+                run_cgroup = RunCgroup(lay, memory, config.max_processes)
+            except OSError as e:
+                raise SandboxUnavailableError(f"making the run's cgroup failed: {e}") from e
         status_r, status_w = os.pipe()
         spec = {
             "workdir": workdir,
@@ -385,16 +390,22 @@ def run_program(source: str, stdin: str | bytes = b"", argv: Sequence[str] = (),
             "env": _program_env(config, workdir),
             "uid": slot.uid if slot else None,
             "gid": slot.uid if slot else None,
-            "rlimits": _rlimits(config),
+            "rlimits": rlimits(config, run_cgroup is not None),
             "user_namespace": not root,
             "allow_host_network_fallback": config.allow_host_network_fallback,
-            "hidden_paths": [os.path.abspath(p) for p in config.hidden_paths],
+            "hidden_paths": hidden,
+            "expose": _exposed_paths(python, hidden),
             "disk_mb": config.disk_mb,
             "backstop_s": config.wall_s + 2.0,
             "status_fd": status_w,
+            "caller_pid": os.getpid(),
+            "cgroup_attach": run_cgroup.attach_files if run_cgroup else [],
+            "seccomp": seccomp_filter,
         }
         # The launcher runs as the caller (root stays root until the program's own process drops it),
-        # so the caller's interpreter is fine for it; -S skips site for a fast start.
+        # so the caller's interpreter is fine for it; -S skips site for a fast start. The wall clock
+        # starts here: waiting for a uid or making folders is not the program's time.
+        t0 = time.monotonic()
         proc = subprocess.Popen([sys.executable, "-I", "-S", LAUNCHER, marshal.dumps(spec).hex()],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 pass_fds=(status_w,), env={"PATH": _SAFE_PATH, "LANG": "C.UTF-8"},
@@ -423,6 +434,9 @@ def run_program(source: str, stdin: str | bytes = b"", argv: Sequence[str] = (),
                 os.close(fd)
         if workdir:
             shutil.rmtree(workdir, ignore_errors=True)
+        if run_cgroup is not None:
+            usage = run_cgroup.usage()
+            run_cgroup.remove()
         if slot is not None:
             slot.release()
     out_fd, err_fd = list(pump.out)  # stdout first
@@ -431,26 +445,31 @@ def run_program(source: str, stdin: str | bytes = b"", argv: Sequence[str] = (),
     if setup is not None:
         if setup.get("stage") == "namespaces":
             raise SandboxUnavailableError(_namespace_help(setup["setup_error"]))
+        if setup.get("stage") == "cgroup":
+            raise SandboxUnavailableError(_cgroup_help(setup["setup_error"]))
         raise SandboxUnavailableError(f"the sandbox could not be set up ({setup.get('stage')}): {setup['setup_error']}")
     final = next((m for m in msgs if "wait_status" in m), None)
     result = SandboxResult(exit_code=None, stdout=stdout_b.decode(errors="replace"),
                            stderr=stderr_b.decode(errors="replace"), stdout_truncated=pump.truncated[out_fd],
-                           stderr_truncated=pump.truncated[err_fd], wall_s=wall)
+                           stderr_truncated=pump.truncated[err_fd], wall_s=wall, usage=usage)
     if final is None:
         if pump.killed_for is not None:  # killed by the caller before init reported (timeout, output cap)
-            result.limit, result.signal = classify(config, pump.killed_for, None, None, stderr_b)
+            result.limit, result.signal = classify(config, pump.killed_for, None, None, stderr_b, usage)
         else:  # not the program's doing: it cannot signal the launcher or init (other uid, other PID namespace)
             result.error = f"the sandbox launcher ended without a report (exit status {proc.returncode})"
         return result
     result.isolation = final.get("isolation", {})
+    result.isolation["cgroup"] = lay.version if run_cgroup is not None else None
     if final.get("exec_error"):
+        if final["exec_error"].startswith("setup: "):
+            raise SandboxUnavailableError(f"the sandbox could not be set up (program): {final['exec_error'][7:]}")
         result.error = f"could not start {python}: {final['exec_error']}"
         return result
     status = int(final["wait_status"])
     result.exit_code = os.waitstatus_to_exitcode(status)
     result.cpu_s = float(final["cpu_s"])
     result.max_rss_mb = final["maxrss_kb"] / 1024.0
-    result.limit, result.signal = classify(config, pump.killed_for, status, result.cpu_s, stderr_b)
+    result.limit, result.signal = classify(config, pump.killed_for, status, result.cpu_s, stderr_b, usage)
     if pump.killed_for is not None:
         result.exit_code = None
     return result
@@ -507,12 +526,16 @@ class Sandbox:
             if repr(self.config) in _checked:
                 return
             _sweep_stale_workdirs(self.config.work_root)
+            sweep_stale()
             r = run_program("pass\n", config=replace(self.config, wall_s=max(self.config.wall_s, 30.0)))
             if r.error or r.exit_code != 0:
                 raise SandboxUnavailableError(f"a trivial program failed in the sandbox: {r.error or r.stderr[-500:]}")
             if not r.isolation.get("namespaces"):
                 log.warning("sandbox: running WITHOUT namespaces (allow_host_network_fallback=True): programs "
                             "have the host's network, no PID or mount isolation, no hidden paths")
+            if r.isolation.get("cgroup") is None:
+                log.warning("sandbox: running WITHOUT a cgroup (allow_without_cgroup=True): a run's shared memory, "
+                            "memfds and tmpfs pages are not bounded as a whole")
             _checked.add(repr(self.config))
 
     def run(self, source: str, stdin: str | bytes = b"", argv: Sequence[str] = (),
@@ -527,13 +550,27 @@ class Sandbox:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(self.run, source, stdin, argv, config))
 
-    def run_many(self, jobs: Sequence[ProgramJob | str]) -> list[SandboxResult]:
-        """Run every job, up to max_concurrency at a time; results in job order."""
+    def run_many(self, jobs: Sequence[ProgramJob | str], config: SandboxConfig | None = None) -> list[SandboxResult]:
+        """Run every job, up to max_concurrency at a time (with `config` in place of the sandbox's);
+        results in job order."""
         futures = []
         for job in jobs:
             job = ProgramJob(job) if isinstance(job, str) else job
-            futures.append(self._executor.submit(self.run, job.source, job.stdin, job.argv))
+            futures.append(self._executor.submit(self.run, job.source, job.stdin, job.argv, config))
         return [f.result() for f in futures]
+
+    def try_acquire_slot(self) -> bool:
+        """Take one of the max_concurrency slots without waiting (for callers that queue themselves,
+        like the python tool); pair with `run_in_slot`, which gives it back."""
+        return self._slots.acquire(blocking=False)
+
+    def run_in_slot(self, source: str, stdin: str | bytes = b"", argv: Sequence[str] = (),
+                    config: SandboxConfig | None = None) -> SandboxResult:
+        """`run` for a caller that holds a slot (try_acquire_slot); the slot is given back at the end."""
+        try:
+            return run_program(source, stdin, argv, config or self.config)
+        finally:
+            self._slots.release()
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)
