@@ -25,7 +25,7 @@ from hpcrl.config import (
     validate,
     world_size,
 )
-from hpcrl.config.validate import is_split, max_staleness, read_hf_config, trainer_world_size
+from hpcrl.config.validate import config_warnings, is_split, max_staleness, read_hf_config, trainer_world_size
 from hpcrl.plan import add_plan_arguments, cluster_for_plan, memory_plan
 from hpcrl.plan.report import worker_span
 
@@ -47,9 +47,34 @@ def add_verbose_argument(p: argparse.ArgumentParser) -> None:
                         "too, as well as in {logging.dir}/rank*.log (sets logging.verbose=true)")
 
 
+class IntermixedParser(argparse.ArgumentParser):
+    """A parser that takes its options before, between or after its positionals (`hpcrl plan CONFIG
+    KEY=VALUE --nodes 2` as well as `hpcrl plan --nodes 2 CONFIG KEY=VALUE`): argparse's intermixed
+    parsing, for the parsers it can serve (not one whose positional is a sub-command)."""
+
+    _intermixing = False
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        nested = any(a.nargs in (argparse.PARSER, argparse.REMAINDER) for a in self._get_positional_actions())
+        if self._intermixing or nested:
+            return super().parse_known_args(args, namespace)
+        self._intermixing = True
+        try:  # parse_known_intermixed_args calls parse_known_args twice: those take the branch above
+            return self.parse_known_intermixed_args(args, namespace)
+        finally:
+            self._intermixing = False
+
+
+def print_config_warnings(cfg: DictConfig, command: str) -> None:
+    """What runs but biases the update (hpcrl.config.validate.config_warnings), on stderr."""
+    for warning in config_warnings(cfg):
+        print(f"hpcrl {command}: warning: {warning}", file=sys.stderr)
+
+
 def load_validated(args: argparse.Namespace) -> DictConfig:
     cfg = load_config(args.config, args.overrides)
     validate(cfg, check_paths=not args.skip_path_checks)
+    print_config_warnings(cfg, args.command)
     return cfg
 
 
@@ -65,10 +90,15 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     """Print what a run of this config will occupy: ranks, layouts, batch arithmetic, then whether it
     fits in memory (hpcrl.plan)."""
-    cfg = load_validated(args)
-    cfg, change = cluster_for_plan(cfg, args)  # --nodes / --gpus-per-node
+    recipe = load_config(args.config, args.overrides)
+    # --nodes / --gpus-per-node first: a layout that needs the larger cluster is validated on it
+    cfg, change = cluster_for_plan(recipe, args)
     if change.problems:
-        return change.refuse(cfg, args)
+        if change.fewest_nodes is not None or _valid(recipe):
+            return change.refuse(cfg, args)  # the layout, not the config, is what does not fit these nodes
+        raise ConfigError(change.problems)
+    validate(cfg, check_paths=not args.skip_path_checks)
+    print_config_warnings(cfg, args.command)
     w = world_size(cfg)
     lines = [f"workers     {w} = trainer.nnodes {cfg.trainer.nnodes} x trainer.workers_per_node "
              f"{cfg.trainer.workers_per_node}, plus 1 controller rank (MPI world of {w + 1})"]
@@ -111,6 +141,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     lines.append(f"run dir     {cfg.trainer.run_dir}")
     print("\n".join(lines))
     return memory_plan(cfg, args, change)
+
+
+def _valid(cfg: DictConfig) -> bool:
+    """The config passes validation without its path checks."""
+    try:
+        validate(cfg, check_paths=False)
+    except ConfigError:
+        return False
+    return True
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -164,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hpcrl", description="Slurm-first reinforcement learning for LLMs (PPO, GRPO and relatives).")
     parser.add_argument("--version", action="version", version=f"hpcrl {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # every sub-command takes its options before or after its positionals (CONFIG KEY=VALUE ... --nodes 2)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=IntermixedParser)
 
     p = sub.add_parser("config", help="print the resolved, validated config")
     _add_config_args(p)

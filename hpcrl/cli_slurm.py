@@ -25,6 +25,7 @@ def _q(path: str) -> str:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     """Validate, then submit the hetjob through submitit; print the job id, logs and how to follow them."""
+    from hpcrl.cli import print_config_warnings
     from hpcrl.launch.slurm_query import is_active
     from hpcrl.launch.submit import SubmitRequest, prepare, submit
 
@@ -39,6 +40,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     except RuntimeError as e:  # submitit: no srun on PATH
         print(f"hpcrl submit: {e}", file=sys.stderr)
         return EXIT_SLURM
+    print_config_warnings(sub.cfg, "submit")
     if args.dry_run:
         print(sub.executor.submission_text())
         print(f"# the batch step then runs (through submitit): {sub.target} "

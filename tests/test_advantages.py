@@ -225,6 +225,80 @@ def test_remax_greedy_baseline() -> None:
            [[0, 0.5, 0.5, 0, 0], [0, -0.5, -0.5, -0.5, 0], [0, 0, 0, 0, 0]])
 
 
+# --- KL in the reward --------------------------------------------------------------------------
+
+# a per-token KL estimate on each of the 15 response tokens of G_MASK (row-major), junk elsewhere
+KL_FLAT = [0.5, -0.2, 1.0, 0.3, 0.1, 2.0, 0.4, 0.4, -1.0, 0.0, 3.0, 0.6, 0.2, 0.9, 0.7]
+KL_COEF = 0.1
+
+
+def _per_row(flat: list[float]) -> list[list[float]]:
+    rows, k = [], 0
+    for n in LENGTHS:
+        rows.append(flat[k:k + n])
+        k += n
+    return rows
+
+
+def _group_reference(scores: list[float], estimator: str) -> list[float]:
+    """GRPO (unbiased std, eps 1e-6), RLOO, or the group-mean centring of REINFORCE++-baseline, by hand
+    over GROUP; a group of one sample, or with all scores equal, gets 0."""
+    out = []
+    for i, g in enumerate(GROUP.tolist()):
+        members = [scores[j] for j, h in enumerate(GROUP.tolist()) if h == g]
+        n, mean = len(members), sum(members) / len(members)
+        if n == 1 or max(members) == min(members):
+            out.append(0.0)
+        elif estimator == "grpo":
+            std = math.sqrt(sum((x - mean) ** 2 for x in members) / (n - 1))
+            out.append((scores[i] - mean) / (std + 1e-6))
+        elif estimator == "rloo":
+            out.append(scores[i] - (sum(members) - scores[i]) / (n - 1))
+        else:
+            out.append(scores[i] - mean)
+    return out
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_plus_plus_baseline", "remax"])
+def test_kl_in_reward_reaches_the_group_estimators(estimator: str) -> None:
+    """With algorithm.use_kl_in_reward the trainer hands compute_advantages the token rewards
+    (score on the last token, minus kl_coef * KL on every token): the group estimators compare the
+    samples' summed token rewards r_i - kl_coef * sum_t kl_t (verl sums them the same way), ReMax
+    takes their return-to-go on each token minus the greedy score. Hand-computed here; before, the
+    raw scores were used and the KL never reached the gradient."""
+    kl = _place(G_MASK, KL_FLAT) + J * (1 - G_MASK.double())  # junk outside the mask
+    token_rewards = token_level_rewards(SCORES, G_MASK, kl, KL_COEF)
+    kw = {"scores": SCORES, "group": GROUP, "mask": G_MASK, "token_rewards": token_rewards}
+    raw = SCORES.tolist()
+    kl_rows = _per_row(KL_FLAT)
+    shaped = [r - KL_COEF * sum(k) for r, k in zip(raw, kl_rows)]
+    if estimator == "remax":
+        base = [0.5, 0.2, 0.9, 0.0, 1.0, 0.4, 0.3, 0.1]
+        adv, _ = compute_advantages("remax", baseline_scores=torch.tensor(base), **kw)
+        # on token t: the score (paid on the last token) minus kl_coef * the KL from t to the end
+        flat = [r - KL_COEF * sum(k[t:]) - b for r, k, b in zip(raw, kl_rows, base) for t in range(len(k))]
+        _close(adv, _place(G_MASK, flat))
+        without = compute_advantages("remax", baseline_scores=torch.tensor(base), scores=SCORES, group=GROUP,
+                                     mask=G_MASK)[0]
+    else:
+        adv, _ = compute_advantages(estimator, **kw)
+        expected = _group_reference(shaped, estimator)
+        if estimator == "reinforce_plus_plus_baseline":
+            flat = [a for a, n in zip(expected, LENGTHS) for _ in range(n)]
+            _close(adv, _place(G_MASK, _whiten_ref(flat)), atol=1e-5)
+        else:
+            _close(adv, _rows(expected), atol=1e-5)
+        without = compute_advantages(estimator, scores=SCORES, group=GROUP, mask=G_MASK)[0]
+    # the control: the KL changes the advantages (the raw scores' ones are far from these)
+    assert (adv - without).abs().max() > 0.05
+    # and with kl_coef 0 the token rewards give back exactly the raw scores' advantages
+    plain = token_level_rewards(SCORES, G_MASK, kl, 0.0)
+    base_kw = {"baseline_scores": torch.tensor([0.5] * 8)} if estimator == "remax" else {}
+    assert torch.equal(compute_advantages(estimator, scores=SCORES, group=GROUP, mask=G_MASK, token_rewards=plain,
+                                          **base_kw)[0],
+                       compute_advantages(estimator, scores=SCORES, group=GROUP, mask=G_MASK, **base_kw)[0])
+
+
 # --- dispatch ----------------------------------------------------------------------------------
 
 def test_compute_advantages_dispatch() -> None:

@@ -674,3 +674,124 @@ def test_a_crafted_queue_of_batches_generated_ahead_is_refused(tmp_path: Path) -
     assert (g.step, g.indices, g.version, g.metrics) == (4, [7, 9], 2, {"reward/acc": 0.5})
     assert torch.equal(g.batch["input_ids"], torch.arange(6).view(2, 3))
     assert torch.equal(g.scores, ahead.queue[0].scores)
+
+
+# batches generated ahead (hpcrl.trainer.ahead): what is generated, and what a resume does with them
+class _AheadLoop:
+    """The split placement's loop as PPOTrainer drives RolloutsAhead: next_batch before the update,
+    the in-flight batch collected after it. The engines' weights at step s are those after s - 1 (the
+    version a batch started at step s records); a batch's prompts are the next row of a counter (the
+    sampler), or the rows it is regenerated from. Records what was generated and trained."""
+
+    def __init__(self, ahead: Any, total: int) -> None:
+        self.ahead, self.total = ahead, total
+        self.next_row = 0
+        self.generated: list[tuple[int, list[int], int]] = []  # (for step, rows, version)
+        self.trained: list[tuple[int, list[int], int]] = []  # (step, rows, staleness)
+
+    def run(self, first: int, last: int) -> None:
+        from hpcrl.controller.batch import Batch
+        from hpcrl.trainer.ahead import Generated
+
+        for step in range(first, last + 1):
+            def start(at: int, rows: list[int] | None, version: int = step - 1) -> Any:
+                if rows is None:
+                    rows, self.next_row = [self.next_row], self.next_row + 1
+                self.generated.append((at, rows, version))
+                return lambda: Generated(at, rows, Batch({"input_ids": torch.tensor([rows])}), torch.zeros(1), {},
+                                         version)
+
+            if self.ahead.depth or self.ahead.queue:
+                item = self.ahead.next_batch(step, self.total, start)
+            else:  # the synchronous loop (PPOTrainer.rollout) draws and generates the step's batch
+                item = start(step, None)()
+            assert item.step == step
+            self.trained.append((step, item.indices, step - 1 - item.version))
+            if self.ahead.in_flight is not None:  # collect_ahead, after the update
+                self.ahead.queue.append(self.ahead.in_flight())
+                self.ahead.in_flight = None
+
+
+@pytest.mark.parametrize("depth", [1, 2, 3])
+def test_nothing_is_generated_past_the_last_step(depth: int) -> None:
+    """rollout.max_staleness = depth: every step trains on a batch at most `depth` steps stale, and no
+    batch is generated (nor its prompts drawn) for a step past trainer.total_steps. Before, a start
+    filled the queue and the loop kept it full up to depth - 1 batches past the end: generated,
+    scored, drawn from the sampler and saved in the last checkpoint, never trained on."""
+    from hpcrl.trainer.ahead import RolloutsAhead
+
+    loop = _AheadLoop(RolloutsAhead(depth), total=6)
+    loop.run(1, 6)
+    assert [g[0] for g in loop.generated] == [1, 2, 3, 4, 5, 6]
+    assert loop.next_row == 6 and not loop.ahead.queue  # 6 prompt batches drawn, none left over
+    assert [t[1] for t in loop.trained] == [[0], [1], [2], [3], [4], [5]]
+    # the first batches come from the start's weights, then each is `depth` steps stale
+    assert [t[2] for t in loop.trained] == [min(s - 1, depth) for s in range(1, 7)]
+
+
+@pytest.mark.parametrize("new_depth", [0, 1])
+def test_a_resume_with_smaller_staleness_regenerates_the_staler_batches(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, new_depth: int) -> None:
+    """A run generating 3 steps ahead is stopped after step 4 (its checkpoint holds the batches of steps
+    5-7, each to be 3 steps stale) and resumed with rollout.max_staleness = 1 or 0. The saved batches
+    that would be staler than the new bound are regenerated from the same prompts with the current
+    weights, each with a warning; no prompt is skipped or repeated, and no step trains on a batch
+    staler than the new bound. Before, they were trained on as they were."""
+    from hpcrl.trainer.ahead import RolloutsAhead
+
+    first = _AheadLoop(RolloutsAhead(3), total=10)
+    first.run(1, 4)
+    assert [g.step for g in first.ahead.queue] == [5, 6, 7]
+    first.ahead.save(tmp_path)
+    resumed = _AheadLoop(RolloutsAhead(new_depth), total=10)
+    resumed.ahead.load(tmp_path)
+    resumed.next_row = first.next_row  # the sampler's position, from the checkpoint
+    caplog.set_level(logging.WARNING, logger="hpcrl.trainer")
+    resumed.run(5, 10)
+    rows = [r for t in first.trained + resumed.trained for r in t[1]]
+    assert rows == list(range(10))  # every prompt once, in order
+    assert max(t[2] for t in resumed.trained) <= new_depth, resumed.trained
+    regenerated = [g for g in resumed.generated if g[0] <= 7]
+    assert [(g[0], g[1]) for g in regenerated] == [(5, [4]), (6, [5]), (7, [6])]  # the saved prompts, again
+    assert caplog.text.count("more than rollout.max_staleness") == 3, caplog.text
+    assert (f"the batch of step 5 was generated with the weights after step 1 (3 step(s) stale), more than "
+            f"rollout.max_staleness={new_depth} allows: regenerating its 1 prompts with the current weights"
+            in caplog.text), caplog.text
+    # the control: resumed with the depth it was saved with, the saved batches are trained as they are
+    same = _AheadLoop(RolloutsAhead(3), total=10)
+    same.ahead.load(tmp_path)
+    same.next_row = first.next_row
+    same.run(5, 10)
+    assert [g[0] for g in same.generated] == [8, 9, 10] and [t[2] for t in same.trained][:3] == [3, 3, 3]
+
+
+def test_the_disk_space_check_counts_the_batches_generated_ahead(tmp_path: Path) -> None:
+    """The checkpoint's up-front space check (Checkpointer.needed_bytes) includes the controller's file
+    of batches generated ahead, at least its size on disk. Before, it was left out."""
+    from omegaconf import OmegaConf
+
+    from hpcrl.config.schema import HpcrlConfig
+    from hpcrl.controller.batch import Batch
+    from hpcrl.trainer.ahead import Generated, RolloutsAhead
+    from hpcrl.trainer.main import Checkpointer
+
+    class _TrainerWithQueue(_FakePPOTrainer):
+        def __init__(self, cfg: Any) -> None:
+            super().__init__(cfg)
+            self.ahead = RolloutsAhead(1)
+
+        def controller_files_nbytes(self) -> int:  # as PPOTrainer's
+            return self.ahead.nbytes()
+
+    cfg = OmegaConf.merge(OmegaConf.structured(HpcrlConfig), {"checkpoint": {"dir": str(tmp_path / "ckpt")}})
+    trainer = _TrainerWithQueue(cfg)
+    ckpt = Checkpointer(cfg, trainer, types.SimpleNamespace(cursor=lambda: 0))
+    state = ckpt.controller_state()
+    empty = ckpt.needed_bytes(state, "x")
+    assert trainer.ahead.nbytes() == 0
+    ids = torch.randint(0, 1000, (64, 512))
+    trainer.ahead.queue.append(Generated(2, list(range(16)), Batch({"input_ids": ids, "attention_mask": ids * 0 + 1}),
+                                         torch.zeros(64), {}, 0))
+    (record,) = trainer.ahead.save(tmp_path)
+    assert trainer.ahead.nbytes() == record["size"] > 500_000
+    assert ckpt.needed_bytes(state, "x") - empty >= record["size"]

@@ -9,6 +9,7 @@ import yaml
 from conftest import ARITH, HPCRL, REPO, TINY_MODEL, run
 from omegaconf import OmegaConf
 
+from hpcrl.cli import main as cli_main
 from hpcrl.config import ConfigError, load_config, role_layouts, rollout_layout, validate
 
 TINY = str(REPO / "configs" / "grpo_tiny.yaml")
@@ -203,10 +204,15 @@ CATALOGUE = yaml.safe_load((REPO / "tests" / "data" / "malformed_configs.yaml").
 
 
 @pytest.mark.parametrize("case", CATALOGUE, ids=[" ".join(c["overrides"]) for c in CATALOGUE])
-def test_malformed_config_is_refused_naming_the_key(case: dict) -> None:
-    problems = problems_of(*case["overrides"])
-    named = [p for p in problems if p.startswith(case["key"])]
-    assert named, problems
+def test_malformed_config_is_refused_naming_the_key(case: dict, capsys: pytest.CaptureFixture[str]) -> None:
+    """Through the command's entry point (`hpcrl config`, in this process): exit status 2, nothing on
+    stdout, and a problem line on stderr that starts with the key and says what is wrong."""
+    status = cli_main(["config", TINY, *case["overrides"]])
+    out, err = capsys.readouterr()
+    assert status == 2 and out == "", (status, out[-500:], err)
+    assert "Traceback" not in err
+    named = [line for line in err.splitlines() if line.startswith(f"  - {case['key']}")]
+    assert named, err
     assert case.get("says", "") in named[0], named
 
 
@@ -252,3 +258,75 @@ def test_multi_turn_problems_name_the_key() -> None:
     assert msg.startswith("rollout.multi_turn.max_total_tokens=1000: with data.max_prompt_length=128"), msg
     # off (the default): nothing is checked
     validate(load_config(TINY, ["rollout.multi_turn.format=xml"]))
+
+
+def test_the_switches_of_a_malformed_catalogue_entry_are_each_fine_alone() -> None:
+    """The controls of the RL-loop entries at the end of the catalogue: each key alone validates, so
+    the refusal is about the combination."""
+    for overrides in (["reference.enable=false"], ["algorithm.use_kl_in_reward=true"],
+                      ["actor.use_kl_loss=true", "actor.kl_loss_coef=0.01"],
+                      ["reference.enable=false", "actor.use_kl_loss=true", "actor.kl_loss_coef=0"],
+                      ["algorithm.policy_loss=clip_higher", "actor.clip_ratio_high=0.28"],
+                      ["actor.lora.rank=8"]):
+        validate(load_config(TINY, overrides))
+    # DPO has no ratio: LoRA dropout is allowed there
+    validate(load_config(REPO / "configs" / "dpo_tiny.yaml", ["actor.lora.rank=8", "actor.lora.dropout=0.1"]))
+
+
+def test_top_p_or_top_k_with_rollout_log_probs_warns(capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's log-probs under top-p / top-k are renormalised over the kept tokens: with the rollout's
+    log-probs as old log-probs, or TIS, the ratio is biased. A warning (the config still runs), naming
+    the keys, from the config check and on stderr of the commands."""
+    from hpcrl.config.validate import config_warnings
+
+    def warned(*overrides: str) -> list[str]:
+        return config_warnings(load_config(TINY, list(overrides)))
+
+    (w,) = warned("rollout.top_p=0.9", "actor.old_logprob=rollout")
+    assert w.startswith("rollout.top_p=0.9 with actor.old_logprob=rollout: vLLM's log-probs are renormalised"), w
+    (w,) = warned("rollout.top_k=20", "rollout.top_p=0.95", "algorithm.rollout_correction=tis")
+    assert w.startswith("rollout.top_p=0.95 and rollout.top_k=20 with algorithm.rollout_correction=tis"), w
+    # the controls: the cut alone, or the rollout's log-probs without a cut, warn of nothing
+    assert warned("rollout.top_p=0.9") == warned("rollout.top_k=20", "actor.old_logprob=recompute") == []
+    assert warned("actor.old_logprob=rollout") == warned("algorithm.rollout_correction=tis") == []
+    assert cli_main(["config", TINY, "rollout.top_k=20", "actor.old_logprob=rollout"]) == 0
+    err = capsys.readouterr().err
+    assert "hpcrl config: warning: rollout.top_k=20 with actor.old_logprob=rollout" in err, err
+
+
+def test_options_go_before_or_after_the_overrides(capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse's intermixed parsing on every sub-command: options after KEY=VALUE overrides are
+    taken (before: "unrecognized arguments"), and `hpcrl plan --nodes/--gpus-per-node` apply before
+    the config is validated (before: a layout that needs the larger cluster was refused for the
+    recipe's own worker count)."""
+    assert cli_main(["config", TINY, "--format", "json", "trainer.total_steps=3"]) == 0
+    assert json.loads(capsys.readouterr().out)["trainer"]["total_steps"] == 3
+    assert cli_main(["config", TINY, "trainer.total_steps=4", "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["trainer"]["total_steps"] == 4
+    # TP x PP = 4 does not divide the recipe's 2 workers, but does the 4 of --nodes 2
+    layout = ["trainer.workers_per_node=2", "actor.parallel.pipeline_parallel=2"]
+    for argv in (["plan", "--nodes", "2", TINY, *layout], ["plan", TINY, *layout, "--nodes", "2"],
+                 ["plan", TINY, layout[0], "--nodes", "2", layout[1]]):
+        assert cli_main(argv) == 0, argv
+        out = capsys.readouterr().out
+        assert "workers     4 = trainer.nnodes 2 x trainer.workers_per_node 2" in out, out
+        assert "actor       TP=2 PP=2 DP=1" in out, out
+    # the control: without --nodes the recipe's 2 workers cannot take the layout (exit 2, the key)
+    assert cli_main(["plan", TINY, *layout]) == 2
+    assert "  - actor.parallel.tensor_parallel=2, actor.parallel.pipeline_parallel=2: TP x PP = 4 does not divide" \
+        in capsys.readouterr().err
+    # a config that is wrong whatever the node count is refused naming the key (not "does not fit")
+    assert cli_main(["plan", TINY, "rollout.n=0", "--nodes", "2"]) == 2
+    assert "  - rollout.n=0: must be >= 1" in capsys.readouterr().err
+    # the other sub-commands that take overrides parse the same way
+    from hpcrl.cli import build_parser
+
+    parser = build_parser()
+    for argv in (["run", TINY, "trainer.total_steps=2", "--verbose", "--skip-path-checks"],
+                 ["submit", TINY, "trainer.total_steps=2", "--nodes", "2", "--dry-run", "--time", "30"]):
+        args = parser.parse_args(argv)
+        assert args.config == TINY and args.overrides == ["trainer.total_steps=2"], args
+        assert (args.verbose and args.skip_path_checks) if argv[0] == "run" else (args.nodes, args.time) == (2, "30")
+    # sub-commands of sub-commands still parse (argparse cannot intermix those: plain parsing)
+    args = parser.parse_args(["ckpt", "verify", "runs/x", "--step", "3"])
+    assert (args.ckpt_command, args.run_dir, args.step) == ("verify", "runs/x", 3)

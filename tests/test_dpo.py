@@ -48,12 +48,16 @@ PREF = REPO / "data" / "pref"
 # the policy prefers more than the reference, one it prefers less, a tie, a large margin
 PAIRS = [(-10.0, -14.0, -11.0, -13.5), (-20.0, -18.0, -21.0, -20.5), (-7.0, -7.0, -7.0, -7.0),
          (-3.0, -60.0, -30.0, -31.0)]
+# the chosen and rejected responses' token counts (EOS included) of each pair: IPO averages over them
+TOKENS = [(4, 8), (10, 5), (3, 3), (2, 40)]
 
 
-def hand_loss(pc: float, pr: float, rc: float, rr: float, beta: float, kind: str, eps: float) -> float:
+def hand_loss(pc: float, pr: float, rc: float, rr: float, beta: float, kind: str, eps: float,
+              tokens: tuple[int, int] = (1, 1)) -> float:
     h = (pc - rc) - (pr - rr)
-    if kind == "ipo":  # Azar et al. 2023, eq. 17 (tau = beta)
-        return (h - 1.0 / (2.0 * beta)) ** 2
+    if kind == "ipo":  # Azar et al. 2023, eq. 17 (tau = beta), each log-ratio averaged over its tokens (TRL)
+        h_avg = (pc - rc) / tokens[0] - (pr - rr) / tokens[1]
+        return (h_avg - 1.0 / (2.0 * beta)) ** 2
     # -log sigmoid(x) = log(1 + e^-x); conservative DPO: labels flipped with probability eps
     return (1.0 - eps) * math.log1p(math.exp(-beta * h)) + eps * math.log1p(math.exp(beta * h))
 
@@ -62,7 +66,7 @@ def hand_metrics(beta: float, kind: str, eps: float) -> dict[str, float]:
     n = len(PAIRS)
     rewards_c = [beta * (pc - rc) for pc, _, rc, _ in PAIRS]
     rewards_r = [beta * (pr - rr) for _, pr, _, rr in PAIRS]
-    return {"loss": sum(hand_loss(*p, beta, kind, eps) for p in PAIRS) / n,
+    return {"loss": sum(hand_loss(*p, beta, kind, eps, t) for p, t in zip(PAIRS, TOKENS)) / n,
             "rewards/chosen": sum(rewards_c) / n, "rewards/rejected": sum(rewards_r) / n,
             "rewards/margins": sum(c - r for c, r in zip(rewards_c, rewards_r)) / n,
             "rewards/accuracies": sum(c > r for c, r in zip(rewards_c, rewards_r)) / n,
@@ -74,10 +78,11 @@ def hand_metrics(beta: float, kind: str, eps: float) -> dict[str, float]:
                                            (2.0, "ipo", 0.0)])
 def test_loss_and_metrics_equal_the_formulas(beta: float, kind: str, eps: float) -> None:
     cols = [torch.tensor(c, dtype=torch.float64) for c in zip(*PAIRS)]
-    per_pair = dpo_loss(*cols, beta=beta, loss_type=kind, label_smoothing=eps)
-    expected = [hand_loss(*p, beta, kind, eps) for p in PAIRS]
+    n_c, n_r = (torch.tensor(c) for c in zip(*TOKENS))
+    per_pair = dpo_loss(*cols, beta=beta, loss_type=kind, label_smoothing=eps, chosen_tokens=n_c, rejected_tokens=n_r)
+    expected = [hand_loss(*p, beta, kind, eps, t) for p, t in zip(PAIRS, TOKENS)]
     assert torch.allclose(per_pair, torch.tensor(expected, dtype=torch.float64), atol=1e-6, rtol=0)
-    got = dpo_metrics(*cols, beta=beta, loss_type=kind, label_smoothing=eps)
+    got = dpo_metrics(*cols, beta=beta, loss_type=kind, label_smoothing=eps, chosen_tokens=n_c, rejected_tokens=n_r)
     want = hand_metrics(beta, kind, eps)
     assert got.keys() == want.keys()
     assert all(abs(got[k] - want[k]) <= 1e-6 for k in want), (got, want)
@@ -87,14 +92,29 @@ def test_loss_and_metrics_equal_the_formulas(beta: float, kind: str, eps: float)
         assert abs(float(per_pair[2]) - math.log(2.0)) < 1e-12
 
 
+def test_ipo_is_length_averaged_by_hand() -> None:
+    """IPO as TRL's DPOTrainer computes it: each response's log-ratio divided by its token count.
+    Pair 4 by hand (beta 0.5): chosen log-ratio (-3 - -30) / 2 = 13.5, rejected (-60 - -31) / 40 =
+    -0.725, h_avg = 14.225, L = (14.225 - 1)^2 = 174.900625. The summed form would be (56 - 1)^2 = 3025."""
+    pc, pr, rc, rr = (torch.tensor([v], dtype=torch.float64) for v in PAIRS[3])
+    loss = dpo_loss(pc, pr, rc, rr, 0.5, "ipo", chosen_tokens=torch.tensor([2]), rejected_tokens=torch.tensor([40]))
+    assert abs(float(loss) - 174.900625) < 1e-9, float(loss)
+    # a response of equal length on both sides: the margin over that length
+    loss = dpo_loss(pc, pr, rc, rr, 0.5, "ipo", chosen_tokens=torch.tensor([8]), rejected_tokens=torch.tensor([8]))
+    assert abs(float(loss) - (56.0 / 8 - 1.0) ** 2) < 1e-9
+
+
 def test_loss_gradient_is_the_formulas_derivative() -> None:
-    """d L / d pi_c = -beta (1 - sigmoid(beta h)) for sigmoid DPO; 2 (h - 1 / (2 beta)) for IPO."""
-    beta, h = 0.3, 1.7
+    """d L / d pi_c = -beta (1 - sigmoid(beta h)) for sigmoid DPO; 2 (h_avg - 1 / (2 beta)) / n_c for
+    IPO, h_avg the length-averaged margin."""
+    beta, h, n_c, n_r = 0.3, 1.7, 4, 2
+    h_avg = h / n_c  # the chosen response's log-ratio is h, the rejected one's 0
     for kind, slope in (("sigmoid", -beta * (1.0 - 1.0 / (1.0 + math.exp(-beta * h)))),
-                        ("ipo", 2.0 * (h - 1.0 / (2.0 * beta)))):
+                        ("ipo", 2.0 * (h_avg - 1.0 / (2.0 * beta)) / n_c)):
         pc = torch.tensor([h - 5.0], dtype=torch.float64, requires_grad=True)
-        dpo_loss(pc, torch.tensor([-5.0]).double(), torch.zeros(1).double(), torch.zeros(1).double(), beta,
-                 kind).sum().backward()
+        dpo_loss(pc, torch.tensor([-5.0]).double(), torch.tensor([-5.0]).double(), torch.tensor([-5.0]).double(),
+                 beta,
+                 kind, chosen_tokens=torch.tensor([n_c]), rejected_tokens=torch.tensor([n_r])).sum().backward()
         assert abs(float(pc.grad) - slope) < 1e-9, (kind, float(pc.grad), slope)
 
 
@@ -102,6 +122,7 @@ def test_loss_refuses_what_it_cannot_compute() -> None:
     x = torch.zeros(2)
     for kwargs, says in (({"beta": 0.0}, "beta=0"), ({"beta": 0.1, "label_smoothing": 0.5}, "< 0.5"),
                          ({"beta": 0.1, "loss_type": "ipo", "label_smoothing": 0.1}, "sigmoid only"),
+                         ({"beta": 0.1, "loss_type": "ipo"}, "pass chosen_tokens and rejected_tokens"),
                          ({"beta": 0.1, "loss_type": "hinge"}, "unknown DPO loss_type")):
         with pytest.raises(ValueError, match=says):
             dpo_loss(x, x, x, x, **kwargs)
@@ -251,6 +272,13 @@ def test_update_matches_the_independent_step_for_any_micro_batching(checks: dict
     assert 0 < cases["no-share-tp2"]["pairs_split"] < 8 and 0 < cases["padded-tp2"]["pairs_split"] < 8
     one = cases["together-tp2"]["one_row"]  # 1 row on 2 DP ranks
     assert one["rows"] == 1 and one["vs_hf"] < 1e-4
+
+
+def test_nonfinite_steps_in_a_row_are_counted_across_a_checkpoint(checks: dict) -> None:
+    """The count that trainer.max_nonfinite_steps stops at is saved with the checkpoint: two skipped
+    steps, a save, a finite step (0), the load, a skipped step: 3, not 1 (before, a resumed run counted
+    from 0 again, so a run that fails every step could requeue itself forever)."""
+    assert checks["nonfinite_resume"]["in_a_row"] == [1.0, 2.0, 0.0, 3.0], checks["nonfinite_resume"]
 
 
 # the tiny run -----------------------------------------------------------------------------------

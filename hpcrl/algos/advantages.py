@@ -20,6 +20,11 @@ Conventions the caller relies on:
 - Sequential estimators (GAE, REINFORCE++ return-to-go) run over the masked tokens of a row in
   order, skipping unmasked positions: the "next token" of a response token is the next masked
   token of the same row, and after the last one the bootstrap value is 0.
+- KL in the reward (`token_level_rewards` with a KL term) reaches every estimator through the
+  token rewards, as in verl (`compute_advantages`): gae and reinforce_plus_plus run over them; the
+  group estimators (grpo, rloo, reinforce_plus_plus_baseline) take each sample's score as the sum of
+  its token rewards, r - kl_coef * sum_t kl_t; remax takes the return-to-go of the token rewards on
+  each token, minus the greedy baseline's score (without KL, the score on every token).
 """
 
 from __future__ import annotations
@@ -224,12 +229,30 @@ def reinforce_plus_plus_baseline(scores: torch.Tensor, group: torch.Tensor, mask
     return masked_whiten(per_token, mask)
 
 
-def remax(scores: torch.Tensor, baseline_scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def remax(scores: torch.Tensor, baseline_scores: torch.Tensor, mask: torch.Tensor,
+          token_rewards: torch.Tensor | None = None) -> torch.Tensor:
     """ReMax (Li et al. 2023, "ReMax: A Simple, Effective, and Efficient Reinforcement Learning
     Method for Aligning LLMs", Algorithm 1): A_i = r(x, y_i) - r(x, y_greedy), the score of the
-    greedy response to the same prompt as baseline, broadcast over the response tokens."""
-    adv = scores.to(torch.float64) - baseline_scores.to(torch.float64)
-    return _broadcast(adv, mask, _result_dtype(scores))
+    greedy response to the same prompt as baseline, broadcast over the response tokens.
+
+    With token_rewards (the KL in the reward, `token_level_rewards`): on token t the undiscounted
+    return-to-go sum_{s >= t} r_s of the row's token rewards, minus the baseline, as verl's ReMax
+    does; without a KL term that is the score on every token, the same as above."""
+    if token_rewards is None:
+        adv = scores.to(torch.float64) - baseline_scores.to(torch.float64)
+        return _broadcast(adv, mask, _result_dtype(scores))
+    like = _result_dtype(scores)
+    returns = _reverse_scan(_zero_outside(token_rewards.to(torch.float64), mask), None, mask, 1.0, 1.0)
+    adv = returns - baseline_scores.to(torch.float64)[:, None]
+    return _zero_outside(adv, mask).to(like.dtype)
+
+
+def summed_scores(scores: torch.Tensor, token_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each sample's score as the sum of its token rewards over the response (with KL in the reward:
+    r - kl_coef * sum_t kl_t), the score the group estimators compare (verl sums the token-level
+    rewards the same way). A row without response tokens keeps its score (it has no token rewards)."""
+    summed = _zero_outside(token_rewards.to(torch.float64), mask).sum(-1)
+    return torch.where(mask.bool().any(-1), summed, scores.to(torch.float64)).to(_result_dtype(scores).dtype)
 
 
 def compute_advantages(estimator: str, *, scores: torch.Tensor, group: torch.Tensor, mask: torch.Tensor,
@@ -238,13 +261,17 @@ def compute_advantages(estimator: str, *, scores: torch.Tensor, group: torch.Ten
                        norm_by_std: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Advantages [B, S] by `algorithm.adv_estimator`, and the critic's returns (gae only, else None).
 
-    gae and reinforce_plus_plus use token_rewards; when not given they are built from the scores
-    with `token_level_rewards(scores, mask)` (no KL). gae needs values (the critic), remax needs
-    baseline_scores (the greedy responses' scores). The outputs are 0 outside the mask."""
+    token_rewards (`token_level_rewards`: the score on the last token, minus the KL penalty per token
+    when the KL is in the reward) feed every estimator when given: gae and reinforce_plus_plus run
+    over them, the group estimators compare their per-sample sums (`summed_scores`), remax takes
+    their return-to-go. Not given: built from the scores without KL. gae needs values (the critic),
+    remax needs baseline_scores (the greedy responses' scores). The outputs are 0 outside the mask."""
     if estimator not in ESTIMATORS:
         raise ValueError(f"algorithm.adv_estimator={estimator!r} is unknown; use one of {', '.join(ESTIMATORS)}")
     if estimator in ("gae", "reinforce_plus_plus") and token_rewards is None:
         token_rewards = token_level_rewards(scores, mask)
+    if estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline") and token_rewards is not None:
+        scores = summed_scores(scores, token_rewards, mask)
     if estimator == "gae":
         if values is None:
             raise ValueError("algorithm.adv_estimator=gae needs the critic's values")
@@ -259,4 +286,4 @@ def compute_advantages(estimator: str, *, scores: torch.Tensor, group: torch.Ten
         return reinforce_plus_plus_baseline(scores, group, mask), None
     if baseline_scores is None:
         raise ValueError("algorithm.adv_estimator=remax needs baseline_scores (the greedy responses' scores)")
-    return remax(scores, baseline_scores, mask), None
+    return remax(scores, baseline_scores, mask, token_rewards), None

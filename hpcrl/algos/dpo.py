@@ -18,8 +18,13 @@ Losses (per pair; the caller takes the mean over a batch's pairs):
   L = -(1 - eps) * log sigmoid(beta * h) - eps * log sigmoid(-beta * h). eps must stay below 0.5:
   at 0.5 both orders weigh the same and the loss only pulls the margin to 0.
 - ``ipo`` (Azar et al. 2023, "A General Theoretical Paradigm to Understand Learning from Human
-  Preferences", eq. 17, with their tau = beta):  L = (h - 1 / (2 * beta))^2, a squared loss that
-  regresses the margin to 1 / (2 beta) instead of pushing it without bound.
+  Preferences", eq. 17, with their tau = beta), length-averaged as TRL's DPOTrainer computes it:
+  each response's log-ratio is divided by its token count n_c, n_r (EOS included),
+      h_avg = (pi_c - ref_c) / n_c - (pi_r - ref_r) / n_r,   L = (h_avg - 1 / (2 * beta))^2,
+  a squared loss that regresses the per-token margin to 1 / (2 beta) instead of pushing it without
+  bound. On summed log-probs the squared loss and its target would scale with the response length,
+  so a beta from a TRL recipe would mean another objective (TRL's code says the IPO authors confirmed
+  the per-token form is the one their paper's results used).
 
 Metrics (the names TRL logs): the implicit rewards r = beta * (pi - ref) of Rafailov et al. (sec. 5),
 rewards/chosen = beta (pi_c - ref_c), rewards/rejected = beta (pi_r - ref_r), rewards/margins =
@@ -45,10 +50,22 @@ def preference_margin(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor
 
 def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
              ref_rejected: torch.Tensor, beta: float, loss_type: str = "sigmoid",
-             label_smoothing: float = 0.0) -> torch.Tensor:
-    """Per-pair loss (differentiable in the policy's log-probs); see the module docstring."""
+             label_smoothing: float = 0.0, chosen_tokens: torch.Tensor | None = None,
+             rejected_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-pair loss (differentiable in the policy's log-probs); see the module docstring. ipo needs
+    each response's token count (chosen_tokens, rejected_tokens: its log-ratio is averaged over it)."""
     if beta <= 0:
         raise ValueError(f"beta={beta}: must be > 0")
+    if loss_type == "ipo":
+        if label_smoothing:
+            raise ValueError("label_smoothing applies to loss_type=sigmoid only")
+        if chosen_tokens is None or rejected_tokens is None:
+            raise ValueError("loss_type=ipo averages each response's log-ratio over its tokens: pass chosen_tokens "
+                             "and rejected_tokens")
+        n_c = chosen_tokens.to(policy_chosen.dtype).clamp(min=1)
+        n_r = rejected_tokens.to(policy_rejected.dtype).clamp(min=1)
+        h_avg = (policy_chosen - ref_chosen) / n_c - (policy_rejected - ref_rejected) / n_r
+        return (h_avg - 1.0 / (2.0 * beta)).square()
     h = preference_margin(policy_chosen, policy_rejected, ref_chosen, ref_rejected)
     if loss_type == "sigmoid":
         if not 0.0 <= label_smoothing < 0.5:
@@ -58,10 +75,6 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
         if label_smoothing:
             loss = (1.0 - label_smoothing) * loss - label_smoothing * F.logsigmoid(-beta * h)
         return loss
-    if loss_type == "ipo":
-        if label_smoothing:
-            raise ValueError("label_smoothing applies to loss_type=sigmoid only")
-        return (h - 1.0 / (2.0 * beta)).square()
     raise ValueError(f"unknown DPO loss_type {loss_type!r}: use one of {', '.join(LOSS_TYPES)}")
 
 
@@ -78,11 +91,13 @@ def dpo_pair_stats(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, r
 
 def dpo_metrics(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
                 ref_rejected: torch.Tensor, beta: float, loss_type: str = "sigmoid",
-                label_smoothing: float = 0.0) -> dict[str, float]:
-    """Means over the pairs: loss and every metric of `dpo_pair_stats`, plus the number of pairs."""
+                label_smoothing: float = 0.0, chosen_tokens: torch.Tensor | None = None,
+                rejected_tokens: torch.Tensor | None = None) -> dict[str, float]:
+    """Means over the pairs: loss and every metric of `dpo_pair_stats`, plus the number of pairs. The
+    metrics are on the summed log-probs for every loss type (as TRL logs them)."""
     with torch.no_grad():
         loss = dpo_loss(policy_chosen.double(), policy_rejected.double(), ref_chosen.double(),
-                        ref_rejected.double(), beta, loss_type, label_smoothing)
+                        ref_rejected.double(), beta, loss_type, label_smoothing, chosen_tokens, rejected_tokens)
         out = {"loss": float(loss.mean())}
         out.update({k: float(v.mean()) for k, v in dpo_pair_stats(policy_chosen, policy_rejected, ref_chosen,
                                                                    ref_rejected, beta).items()})

@@ -152,6 +152,9 @@ def engine_state(engine: Any, role: str, model_path: str, copy: bool,
         "arch": asdict(engine.arch),
         "model_path": str(Path(model_path).resolve()),
         "step_count": int(engine.step_count),
+        # optimizer steps skipped in a row for a NaN/Inf gradient: trainer.max_nonfinite_steps counts
+        # across a resume, so a run that fails every step cannot requeue itself forever
+        "nonfinite_in_a_row": int(getattr(engine, "nonfinite_in_a_row", 0)),
         "params": [n for n, _ in named],
         "shapes": {n: list(p.shape) for n, p in named},
         "master": engine.master is not None,
@@ -483,8 +486,8 @@ def converted_tensors(engine: Any, saved: SavedRole) -> dict[str, torch.Tensor]:
 
 
 def apply_state(engine: Any, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-    """Put weights, masters, optimizer state and step_count into the engine (byte copies when the
-    dtypes agree)."""
+    """Put weights, masters, optimizer state, step_count and the count of non-finite steps in a row
+    into the engine (byte copies when the dtypes agree)."""
     named = engine.named_trainable()
     with torch.no_grad():
         for n, p in named:
@@ -513,6 +516,7 @@ def apply_state(engine: Any, tensors: dict[str, torch.Tensor], meta: dict[str, A
             for k, v in opt["param_groups"][0].items():
                 group[k] = tuple(v) if k == "betas" else v
     engine.step_count = int(meta["step_count"])
+    engine.nonfinite_in_a_row = int(meta.get("nonfinite_in_a_row", 0))  # 0 in a checkpoint from before it was saved
 
 
 def _config_seed(ckpt_dir: Path) -> int:

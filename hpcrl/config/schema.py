@@ -65,7 +65,9 @@ class LoraConfig:
 
     rank: int = 0  # r of each adapter; 0: no LoRA (full fine-tuning)
     alpha: float = 16.0  # the adapter's output is scaled by alpha / rank
-    dropout: float = 0.0  # dropout on the adapter's input, in training
+    # dropout on the adapter's input, in training; algorithm.name=dpo only (the RL loop refuses it:
+    # its old log-probs come from forwards without dropout, so the PPO ratio would not be 1 on-policy)
+    dropout: float = 0.0
     # megatron layers (linear_qkv, linear_proj, linear_fc1, linear_fc2), HF names (q_proj, k_proj and
     # v_proj together, o_proj, gate_proj and up_proj together, down_proj), or all-linear
     target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
@@ -108,7 +110,8 @@ class ActorConfig:
     # demo. CPU (local layer spec) only; Transformer Engine's packed attention cannot express it.
     share_prompt: bool = True
     clip_ratio_low: float = 0.2  # PPO clips the ratio below 1 - clip_ratio_low
-    clip_ratio_high: float = 0.2  # and above 1 + clip_ratio_high (DAPO's clip-higher: a larger value)
+    # and above 1 + clip_ratio_high (DAPO's clip-higher: a larger value, which policy_loss=clip_higher requires)
+    clip_ratio_high: float = 0.2
     # Dual-clip lower bound for negative advantages (Ye et al. 2020); must be > 1.
     clip_ratio_c: float = 3.0
     # How token losses make the mini-batch's loss: token-mean (over all its response tokens) |
@@ -208,6 +211,8 @@ class RolloutConfig:
     # 0 generates a step's batch and then trains on it; 1 is one-step-off (batch k+1 is generated with
     # the weights before step k while the trainer updates on batch k); k > 1 keeps k batches ahead.
     # null: 1 with split placement, 0 colocated (where trainer and engines take turns on the devices).
+    # Nothing is generated for a step past trainer.total_steps. A run resumed with a smaller value than
+    # its checkpoint's batches were generated with regenerates those that would be staler (logged).
     max_staleness: int | None = None
     # Passed through to vllm.LLM(...) as they are (e.g. enforce_eager, max_num_seqs).
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -230,7 +235,9 @@ class DPOConfig:
 
     # Weight of the implicit KL to the reference: the implicit rewards are beta * (log pi - log ref).
     beta: float = 0.1
-    loss_type: str = "sigmoid"  # sigmoid (DPO, Rafailov et al. 2023) | ipo (Azar et al. 2023)
+    # sigmoid (DPO, Rafailov et al. 2023) | ipo (Azar et al. 2023; each response's log-ratio averaged
+    # over its tokens, as TRL's DPOTrainer computes it)
+    loss_type: str = "sigmoid"
     # Conservative DPO (sigmoid only): the share of preference labels taken to be flipped, in [0, 0.5).
     label_smoothing: float = 0.0
 
@@ -250,7 +257,9 @@ class AlgorithmConfig:
     gamma: float = 1.0  # discount (GAE, REINFORCE++)
     lam: float = 1.0  # GAE's lambda
     norm_adv_by_std: bool = True  # GRPO: divide by the group's reward std (false: Dr. GRPO's mean-centring only)
-    use_kl_in_reward: bool = False  # subtract kl_coef * KL(actor || reference) from the token rewards
+    # subtract kl_coef * KL(actor || reference) from the token rewards; every estimator sees it (the
+    # group estimators compare the samples' summed token rewards, as verl does)
+    use_kl_in_reward: bool = False
     kl_penalty: str = "k1"  # the KL estimator in the reward: k1 | k2 | k3
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
     # DAPO: drop groups whose rewards all agree and refill the batch, at most this many extra rounds.
@@ -332,7 +341,8 @@ class TrainerConfig:
     timeout_s: int = 600
     # An optimizer step whose loss or gradient is NaN/Inf is skipped (weights and optimizer state
     # unchanged, counted in actor|critic/nonfinite_steps_skipped); after this many in a row the run
-    # stops without saving, so the last checkpoint stays the last good state. 0: never stop.
+    # stops without saving, so the last checkpoint stays the last good state. 0: never stop. The count
+    # is saved with each checkpoint, so it goes on across a resume.
     max_nonfinite_steps: int = 3
 
 

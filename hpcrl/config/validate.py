@@ -388,6 +388,54 @@ def _check_placement(cfg: DictConfig, problems: list[str]) -> bool:
     return True
 
 
+def _check_rl_switches(cfg: DictConfig, problems: list[str]) -> None:
+    """Switches of the RL loop that contradict each other (DPO has its own, `_check_dpo`)."""
+    if is_dpo(cfg):
+        return
+    a, algo = cfg.actor, cfg.algorithm
+    if cfg.reference.enable is False:
+        # the KL terms are to the reference's log-probs: without it the step would fail after generating
+        if algo.use_kl_in_reward:
+            problems.append("reference.enable=false: algorithm.use_kl_in_reward=true needs the reference model (the "
+                            "KL in the reward is to it). Leave reference.enable null (on when a KL term is used) or "
+                            "set algorithm.use_kl_in_reward=false.")
+        if kl_loss_active(cfg):
+            problems.append(f"reference.enable=false: actor.use_kl_loss=true with actor.kl_loss_coef={a.kl_loss_coef} "
+                            "needs the reference model (the KL loss is to it). Leave reference.enable null or set "
+                            "actor.use_kl_loss=false.")
+    if algo.policy_loss == "clip_higher" and a.clip_ratio_high <= a.clip_ratio_low:
+        problems.append(f"actor.clip_ratio_high={a.clip_ratio_high}: algorithm.policy_loss=clip_higher (DAPO) needs it "
+                        f"above actor.clip_ratio_low={a.clip_ratio_low}, or the clip is the symmetric PPO one and "
+                        "clip-higher does nothing. Raise actor.clip_ratio_high (DAPO: 0.28 with 0.2) or use "
+                        "algorithm.policy_loss=ppo_clip.")
+    if a.lora.rank and a.lora.dropout > 0:
+        problems.append(f"actor.lora.dropout={a.lora.dropout}: not in the RL loop. The old log-probs (and the "
+                        "reference's) come from forwards without dropout and the update's forward drops adapter "
+                        "inputs, so the PPO ratio of an unchanged policy is not 1 and the clip acts on noise. Set "
+                        "it to 0 (algorithm.name=dpo may use it).")
+
+
+def config_warnings(cfg: DictConfig) -> list[str]:
+    """Settings that run but bias the update: printed by the `hpcrl` commands and logged by the run."""
+    out: list[str] = []
+    r, a = cfg.rollout, cfg.actor
+    if is_dpo(cfg):
+        return out
+    cut = []
+    if r.top_p < 1:
+        cut.append(f"rollout.top_p={r.top_p}")
+    if r.top_k > 0:
+        cut.append(f"rollout.top_k={r.top_k}")
+    uses = [k for k, on in (("actor.old_logprob=rollout", a.old_logprob == "rollout"),
+                            ("algorithm.rollout_correction=tis", cfg.algorithm.rollout_correction == "tis")) if on]
+    if cut and uses:
+        out.append(f"{' and '.join(cut)} with {' and '.join(uses)}: vLLM's log-probs are renormalised over the "
+                   "tokens the cut keeps, the trainer's are over the whole vocabulary, so the ratio between them "
+                   "is biased (above 1 on every kept token). Sample without the cut (rollout.top_p=1, "
+                   "rollout.top_k=-1), or use actor.old_logprob=recompute without algorithm.rollout_correction.")
+    return out
+
+
 def _check_rollout_correction(cfg: DictConfig, problems: list[str]) -> None:
     if cfg.algorithm.rollout_correction == "tis" and cfg.actor.old_logprob == "rollout":
         problems.append("algorithm.rollout_correction=tis: with actor.old_logprob=rollout the old log-probs are the "
@@ -631,6 +679,7 @@ def validate(cfg: DictConfig, check_paths: bool = True) -> None:
     problems: list[str] = []
     _check_choices_and_ranges(cfg, problems)
     _check_layout(cfg, problems)
+    _check_rl_switches(cfg, problems)
     _check_multi_turn(cfg, check_paths, problems)
     if check_paths:
         hf = _check_paths(cfg, problems)

@@ -168,7 +168,9 @@ class DPOTrainer:
         if self._val_ref is None or len(self._val_ref) != len(policy):
             self._val_ref = torch.cat([self.reference.sequence_logprobs(b) for b in batches])
         ref = self._val_ref
-        m = dpo_metrics(policy[0::2], policy[1::2], ref[0::2], ref[1::2], **self._loss_settings())
+        tokens = torch.cat([b["response_mask"].sum(-1) for b in batches])  # IPO averages over them
+        m = dpo_metrics(policy[0::2], policy[1::2], ref[0::2], ref[1::2], **self._loss_settings(),
+                        chosen_tokens=tokens[0::2], rejected_tokens=tokens[1::2])
         out = {f"val/{k}": v for k, v in m.items()}
         log.info("validation after %d step(s): %s", self.step, ", ".join(f"{k} {v:.4f}" for k, v in out.items()))
         return out

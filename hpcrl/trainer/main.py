@@ -82,10 +82,13 @@ class Checkpointer:
 
     def needed_bytes(self, state: dict[str, Any], config_yaml: str) -> int:
         """~Bytes the save of the current state writes, all ranks together (they share the file
-        system of checkpoint.dir, so their sizes add up)."""
+        system of checkpoint.dir, so their sizes add up), and the controller's own files (the RL
+        loop's batches generated ahead)."""
         per_rank = [int(n) for group in self.trainer.trained_groups() for n in group.checkpoint_nbytes()]
-        files = 3 * len(per_rank) + 2
-        return (sum(per_rank) + len(json.dumps(state, indent=1, sort_keys=True)) + len(config_yaml)
+        own_nbytes = getattr(self.trainer, "controller_files_nbytes", None)
+        own = int(own_nbytes()) if own_nbytes is not None else 0
+        files = 3 * len(per_rank) + 2 + (1 if own else 0)
+        return (sum(per_rank) + own + len(json.dumps(state, indent=1, sort_keys=True)) + len(config_yaml)
                 + MANIFEST_BYTES_PER_FILE * files + SMALL_FILE_SLACK)
 
     def save(self, wait: bool = False) -> bool:
@@ -354,6 +357,7 @@ def _train(cfg: DictConfig, progress: PhaseProgress) -> int:
 
 def main() -> int:
     from hpcrl.config import ConfigError, load_config, to_yaml, validate
+    from hpcrl.config.validate import config_warnings
     from hpcrl.trainer.metrics import setup_logging
 
     if len(sys.argv) < 2:
@@ -373,6 +377,8 @@ def main() -> int:
     restarts = os.environ.get("SLURM_RESTART_COUNT", "0")
     log.info("hpcrl run %s: %s (Slurm job %s, restart %s)", cfg.trainer.experiment, run_dir,
              os.environ.get("SLURM_JOB_ID", "-"), restarts)
+    for warning in config_warnings(cfg):  # settings that run but bias the update
+        log.warning(warning)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     status = train(cfg)
     if status:

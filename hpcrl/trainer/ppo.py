@@ -102,6 +102,10 @@ class PPOTrainer:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
         d = cfg.data
         self.agent = None  # the multi-turn loop (hpcrl.agents.rollout), with rollout.multi_turn.enable
+        # every sandboxed program of the run (python tool, code reward) hides the data and run folders
+        from hpcrl.sandbox.reward import hide_run_paths_from_programs
+
+        hide_run_paths_from_programs(self.plain)
         prompt_kwargs: dict[str, Any] = {}
         mt = cfg.rollout.multi_turn
         if mt.enable:
@@ -273,12 +277,12 @@ class PPOTrainer:
         batch["prompt_index"] = torch.arange(want).repeat_interleave(n)
         return batch, [p[1] for p in parts], torch.cat([p[2] for p in parts]), metrics
 
-    def _start_rollout(self, step: int, version: int) -> Callable[[], Generated]:
-        """Draw the prompts of `step`'s batch and start generating them on the engines, which run
-        the weights after step `version`; returns at once. The function it returns waits for the
-        samples and scores them."""
+    def _start_rollout(self, step: int, version: int, indices: list[int] | None = None) -> Callable[[], Generated]:
+        """Draw the prompts of `step`'s batch (or take `indices`: a saved batch regenerated) and start
+        generating them on the engines, which run the weights after step `version`; returns at once.
+        The function it returns waits for the samples and scores them."""
         r = self.cfg.rollout
-        indices = self.sampler.next_batch()
+        indices = self.sampler.next_batch() if indices is None else indices
         rows = [self.train_data[i] for i in indices]
         sampling = SamplingSettings.from_rollout_config(self.plain["rollout"], seed=self._seed(step, 0))
         wait = start_generate(self.placement.rollout, [row.prompt_ids for row in rows], sampling)
@@ -293,16 +297,18 @@ class PPOTrainer:
     def rollout_ahead(self, step: int, timer: PhaseTimer) -> tuple[Batch, list[PromptRow], torch.Tensor,
                                                                    dict[str, float]]:
         """This step's batch from the queue of batches generated ahead (hpcrl.trainer.ahead). A start
-        or resume first generates what the queue lacks; then the batch rollout.max_staleness steps
-        ahead starts generating, to be collected by `collect_ahead` after this step's update."""
-        # the queue holds the batches of steps step, step + 1, ...
-        while not self.ahead.queue or len(self.ahead.queue) < self.ahead.depth:
+        or resume first generates what the queue lacks (nothing past trainer.total_steps), a saved
+        batch staler than rollout.max_staleness is regenerated; then the batch rollout.max_staleness
+        steps ahead starts generating, to be collected by `collect_ahead` after this step's update."""
+        def start(at: int, indices: list[int] | None) -> Callable[[], Generated]:
+            return self._start_rollout(at, step - 1, indices)
+
+        def now(generate: Callable[[], Generated]) -> Generated:  # what this step waits for before training
             with timer("generate"):
-                self.ahead.queue.append(self._start_rollout(step + len(self.ahead.queue), step - 1)())
-        item = self.ahead.take(step)
-        later = step + 1 + len(self.ahead.queue)
-        if self.ahead.depth and later <= self.cfg.trainer.total_steps:
-            self.ahead.in_flight = self._start_rollout(later, step - 1)
+                return generate()
+
+        # the queue holds the batches of steps step, step + 1, ...
+        item = self.ahead.next_batch(step, int(self.cfg.trainer.total_steps), start, now)
         batch = item.batch
         batch["policy_version"] = torch.full((len(batch),), item.version, dtype=torch.long)
         metrics = {**item.metrics, "rollout/policy_version": float(item.version),
@@ -323,6 +329,10 @@ class PPOTrainer:
     def save_controller_files(self, folder: Path) -> list[dict[str, Any]]:
         """The batches generated ahead, into a checkpoint folder (records for its manifest)."""
         return self.ahead.save(folder) if self.ahead.queue else []
+
+    def controller_files_nbytes(self) -> int:
+        """Bytes `save_controller_files` writes (the checkpoint's disk-space check counts them)."""
+        return self.ahead.nbytes()
 
     def load_controller_files(self, folder: Path) -> None:
         self.ahead.load(folder)

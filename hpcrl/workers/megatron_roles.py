@@ -250,6 +250,9 @@ class MegatronRole(Worker):
             loss = (w * pg).sum()
             metrics = {"pg_loss": (w * pg).sum(), "pg_clipfrac": (w * clipped.float()).sum(),
                        "ppo_kl": (w * (old - lp)).sum()}
+            if dual_c is not None:  # the share of tokens the dual clip caps (A < 0 and ratio > c)
+                capped = (f["advantages"] < 0) & (torch.exp(lp.detach() - old) > dual_c)
+                metrics["pg_clipfrac_dual"] = (w * capped.float()).sum()
             if measure_gap and steps_done[0] == 0:
                 resp = (f["loss_weight"] > 0) & f["label_mask"].bool()
                 d = (lp.detach() - f["rollout_logprob"]).abs()[resp]
@@ -514,7 +517,8 @@ class MegatronRole(Worker):
             ref_c, ref_r = ref.to(dev)[c], ref.to(dev)[r]
             # micro-batches holding the pair's rows: 1, or 2 for a split pair (each counts half its value)
             k = 2.0 - both.double().to(dev)
-            losses = dpo_loss(pc, pr, ref_c, ref_r, beta, loss_type, label_smoothing)
+            losses = dpo_loss(pc, pr, ref_c, ref_r, beta, loss_type, label_smoothing,
+                              response_tokens[chosen_rows[here]].to(dev), response_tokens[rejected_rows[here]].to(dev))
             loss = (losses - (1.0 - 1.0 / k) * losses.detach()).sum() / num_pairs
             share = 1.0 / (k * num_pairs)
             metrics = {name: (share * v).sum() for name, v in dpo_pair_stats(pc, pr, ref_c, ref_r, beta).items()}

@@ -9,7 +9,8 @@ micro-batchings, runs one `update_dpo` on the same 8 preference pairs, and compa
 from the formulas (nothing of hpcrl's loss is imported): the loss must be exact whether a pair's two
 responses share a micro-batch (one pass) or not (the extra forward without gradient), at any DP
 size and with pipeline stages. Also: `sequence_logprobs` against HF, including a batch with fewer
-rows than DP ranks. Writes what it measured to OUT.json.
+rows than DP ranks; the count of non-finite steps in a row across a checkpoint's save and load.
+Writes what it measured to OUT.json.
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ def reference_step(pairs: list[tuple[list[int], list[int], list[int]]], ref_c: t
     only as model.embed_tokens.weight), and the metrics:
       h = (pi_c - ref_c) - (pi_r - ref_r)
       sigmoid: L = -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)   (Rafailov et al. 2023; Mitchell 2023)
-      ipo:     L = (h - 1 / (2 beta))^2                                      (Azar et al. 2023)"""
+      ipo:     L = (h_avg - 1 / (2 beta))^2, h_avg = (pi_c - ref_c) / |c| - (pi_r - ref_r) / |r|
+               (Azar et al. 2023, each log-ratio averaged over its response's tokens as in TRL's DPOTrainer)"""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
@@ -88,7 +90,8 @@ def reference_step(pairs: list[tuple[list[int], list[int], list[int]]], ref_c: t
         if loss_type == "sigmoid":
             loss = -(1 - eps) * F.logsigmoid(BETA * h) - eps * F.logsigmoid(-BETA * h)
         else:
-            loss = (h - 1 / (2 * BETA)) ** 2
+            h_avg = (pc - rc) / len(c) - (pr - rr) / len(r)
+            loss = (h_avg - 1 / (2 * BETA)) ** 2
         total = total + loss / len(pairs)
         pcs.append(float(pc))
         prs.append(float(pr))
@@ -169,7 +172,33 @@ def main() -> None:
     actor.close()
     res["timings"]["lora"] = round(time.time() - t0, 1)
     print(f"[dpo_checks] lora: {res['lora']} ({res['timings']['lora']} s)", flush=True)
+    res["nonfinite_resume"] = nonfinite_count_survives_a_checkpoint(batch, Path(out_path).parent / "nonfinite-ckpt")
     Path(out_path).write_text(json.dumps(res, indent=1))
+
+
+def nonfinite_count_survives_a_checkpoint(batch: Any, ckpt: Path) -> dict[str, Any]:
+    """trainer.max_nonfinite_steps counts NaN/Inf steps in a row across a resume: two skipped steps
+    (NaN reference log-probs make the loss NaN), a save, a finite step (the count back to 0), the load
+    of the save, one more skipped step: the count goes on from the saved 2, to 3."""
+    from hpcrl.controller import WorkerGroup
+    from hpcrl.workers.megatron_roles import MegatronRole
+
+    t0 = time.time()
+    actor = WorkerGroup(MegatronRole, init_kwargs={"cfg": make_cfg(2, 1), "role": "actor"}, name="dpo-nonfinite")
+    nan_batch = batch.select(range(len(batch)))
+    nan_batch["ref_logp"] = torch.full_like(batch["ref_logp"], float("nan"))
+
+    def in_a_row(b: Any) -> float:
+        return actor.update_dpo(b, num_pairs=PAIRS, beta=BETA)["nonfinite_steps_in_a_row"]
+
+    counts = [in_a_row(nan_batch), in_a_row(nan_batch)]
+    actor.save_checkpoint(str(ckpt))
+    counts.append(in_a_row(batch))
+    actor.load_checkpoint(str(ckpt), seed=1)
+    counts.append(in_a_row(nan_batch))
+    actor.close()
+    print(f"[dpo_checks] non-finite count across a checkpoint: {counts} ({time.time() - t0:.1f} s)", flush=True)
+    return {"in_a_row": counts}
 
 
 if __name__ == "__main__":
