@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from hpcrl import __version__
+from hpcrl.cli_args import IntermixedParser, add_config_arguments, add_verbose_argument, print_config_warnings
 from hpcrl.config import (
     ConfigError,
     is_dpo,
@@ -22,58 +23,19 @@ from hpcrl.config import (
     role_layouts,
     rollout_layout,
     to_yaml,
-    validate,
     world_size,
 )
-from hpcrl.config.validate import config_warnings, is_split, max_staleness, read_hf_config, trainer_world_size
+from hpcrl.config.derived import is_split, staleness_depth, trainer_world_size
 from hpcrl.plan import add_plan_arguments, cluster_for_plan, memory_plan
 from hpcrl.plan.report import worker_span
+from hpcrl.trainer.preflight import preflight, read_hf_config
 
 EXIT_CONFIG = 2
 
 
-def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", help="YAML recipe, e.g. configs/grpo_tiny.yaml")
-    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                   help="override any key, e.g. trainer.total_steps=3 actor.parallel.tensor_parallel=2")
-    p.add_argument("--skip-path-checks", action="store_true",
-                   help="do not check that model/data paths exist (and skip checks that read the model), "
-                        "e.g. when preparing a cluster recipe elsewhere")
-
-
-def add_verbose_argument(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--verbose", action="store_true",
-                   help="show every rank's library output (vLLM, transformers, megatron, torch) on the terminal "
-                        "too, as well as in {logging.dir}/rank*.log (sets logging.verbose=true)")
-
-
-class IntermixedParser(argparse.ArgumentParser):
-    """A parser that takes its options before, between or after its positionals (`hpcrl plan CONFIG
-    KEY=VALUE --nodes 2` as well as `hpcrl plan --nodes 2 CONFIG KEY=VALUE`): argparse's intermixed
-    parsing, for the parsers it can serve (not one whose positional is a sub-command)."""
-
-    _intermixing = False
-
-    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
-        nested = any(a.nargs in (argparse.PARSER, argparse.REMAINDER) for a in self._get_positional_actions())
-        if self._intermixing or nested:
-            return super().parse_known_args(args, namespace)
-        self._intermixing = True
-        try:  # parse_known_intermixed_args calls parse_known_args twice: those take the branch above
-            return self.parse_known_intermixed_args(args, namespace)
-        finally:
-            self._intermixing = False
-
-
-def print_config_warnings(cfg: DictConfig, command: str) -> None:
-    """What runs but biases the update (hpcrl.config.validate.config_warnings), on stderr."""
-    for warning in config_warnings(cfg):
-        print(f"hpcrl {command}: warning: {warning}", file=sys.stderr)
-
-
 def load_validated(args: argparse.Namespace) -> DictConfig:
     cfg = load_config(args.config, args.overrides)
-    validate(cfg, check_paths=not args.skip_path_checks)
+    preflight(cfg, check_paths=not args.skip_path_checks)
     print_config_warnings(cfg, args.command)
     return cfg
 
@@ -97,7 +59,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if change.fewest_nodes is not None or _valid(recipe):
             return change.refuse(cfg, args)  # the layout, not the config, is what does not fit these nodes
         raise ConfigError(change.problems)
-    validate(cfg, check_paths=not args.skip_path_checks)
+    preflight(cfg, check_paths=not args.skip_path_checks)
     print_config_warnings(cfg, args.command)
     w = world_size(cfg)
     lines = [f"workers     {w} = trainer.nnodes {cfg.trainer.nnodes} x trainer.workers_per_node "
@@ -105,7 +67,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if is_split(cfg):
         t = trainer_world_size(cfg)
         lines.append(f"placement   split: {worker_span(1, t)} train, {worker_span(t + 1, w)} run the vLLM engines; "
-                     f"generation runs {max_staleness(cfg)} step(s) ahead of training (rollout.max_staleness)")
+                     f"generation runs {staleness_depth(cfg)} step(s) ahead of training (rollout.max_staleness)")
     elif not is_dpo(cfg):
         lines.append("placement   colocated: every worker trains and runs a vLLM engine, taking turns "
                      "(trainer.placement=split gives the engines workers of their own)")
@@ -146,7 +108,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _valid(cfg: DictConfig) -> bool:
     """The config passes validation without its path checks."""
     try:
-        validate(cfg, check_paths=False)
+        preflight(cfg, check_paths=False)
     except ConfigError:
         return False
     return True
@@ -207,18 +169,18 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=IntermixedParser)
 
     p = sub.add_parser("config", help="print the resolved, validated config")
-    _add_config_args(p)
+    add_config_arguments(p)
     p.add_argument("--format", choices=("yaml", "json"), default="yaml")
     p.set_defaults(func=cmd_config)
 
     p = sub.add_parser("plan", help="print the ranks, parallel layouts, batch arithmetic and memory per GPU or worker "
                                     "of a config, and whether it fits (exit status 3 when it does not)")
-    _add_config_args(p)
+    add_config_arguments(p)
     add_plan_arguments(p)
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("run", help="run a config on this machine (controller + workers under mpiexec)")
-    _add_config_args(p)
+    add_config_arguments(p)
     add_verbose_argument(p)
     p.set_defaults(func=cmd_run)
 

@@ -25,7 +25,7 @@ def _q(path: str) -> str:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     """Validate, then submit the hetjob through submitit; print the job id, logs and how to follow them."""
-    from hpcrl.cli import print_config_warnings
+    from hpcrl.cli_args import print_config_warnings
     from hpcrl.launch.slurm_query import is_active
     from hpcrl.launch.submit import SubmitRequest, prepare, submit
 
@@ -160,14 +160,14 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
     """Register submit, status and cancel on the `hpcrl` parser."""
-    from hpcrl.cli import _add_config_args, add_verbose_argument
+    from hpcrl.cli_args import add_config_arguments, add_verbose_argument
 
     p = sub.add_parser("submit", help="submit a run as a Slurm heterogeneous job (controller + worker nodes)",
                        description="Validate CONFIG (exit 2 naming the key), then submit one heterogeneous job: "
                                    "het group 0 = the controller (1 task), het group 1 = NODES x workers "
                                    "(with --rollout-nodes, het group 2 = the rollout nodes). "
                                    "Logs and job files go to {trainer.run_dir}/slurm/.")
-    _add_config_args(p)
+    add_config_arguments(p)
     p.add_argument("--nodes", type=int, help="worker nodes (sets trainer.nnodes; default: the config's)")
     p.add_argument("--rollout-nodes", type=int,
                    help="M more nodes for the vLLM engines alone, in a third het group (sets trainer.placement=split, "

@@ -10,7 +10,8 @@ from conftest import ARITH, HPCRL, REPO, TINY_MODEL, run
 from omegaconf import OmegaConf
 
 from hpcrl.cli import main as cli_main
-from hpcrl.config import ConfigError, load_config, role_layouts, rollout_layout, validate
+from hpcrl.config import ConfigError, load_config, role_layouts, rollout_layout
+from hpcrl.trainer.preflight import preflight
 
 TINY = str(REPO / "configs" / "grpo_tiny.yaml")
 
@@ -22,7 +23,7 @@ def _from_repo_root(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def problems_of(*overrides: str, path: str = TINY, check_paths: bool = True) -> list[str]:
     with pytest.raises(ConfigError) as e:
-        validate(load_config(path, overrides), check_paths=check_paths)
+        preflight(load_config(path, overrides), check_paths=check_paths)
     return e.value.problems
 
 
@@ -30,7 +31,7 @@ def problems_of(*overrides: str, path: str = TINY, check_paths: bool = True) -> 
     ("grpo_tiny.yaml", True), ("grpo_smollm2.yaml", True), ("ppo_70b.yaml", False), ("grpo_tools_tiny.yaml", True),
     ("grpo_tools_smollm2.yaml", True)])
 def test_shipped_recipes_validate(recipe: str, check_paths: bool) -> None:
-    validate(load_config(REPO / "configs" / recipe), check_paths=check_paths)
+    preflight(load_config(REPO / "configs" / recipe), check_paths=check_paths)
 
 
 def test_ppo_70b_layout_is_the_documented_one() -> None:
@@ -58,7 +59,7 @@ def test_overrides_are_typed_and_interpolations_resolved() -> None:
 def test_override_fills_a_null_section_from_its_dataclass() -> None:
     cfg = load_config(TINY, ["reference.enable=true", "reference.parallel.tensor_parallel=2"])
     assert cfg.reference.parallel.tensor_parallel == 2 and cfg.reference.parallel.pipeline_parallel == 1
-    validate(cfg)
+    preflight(cfg)
     assert role_layouts(cfg)["reference"].dp == 2
 
 
@@ -106,7 +107,7 @@ def test_model_shape_against_layout() -> None:
                          "actor.ppo_mini_batch_size=8")
     assert msg.startswith("actor.parallel.pipeline_parallel=4") and "2 layers" in msg
     # vLLM replicates KV heads, so rollout TP=4 over 2 KV heads is fine
-    validate(load_config(TINY, ["rollout.tensor_parallel=4"]))
+    preflight(load_config(TINY, ["rollout.tensor_parallel=4"]))
 
 
 def test_batch_arithmetic() -> None:
@@ -139,7 +140,7 @@ def test_paths_must_exist(tmp_path) -> None:
         "model.path", "data.train_files[0]", "checkpoint.resume", "reward.function"], problems
     assert "does not exist" in problems[0]
     # with path checks off, the same config passes (preparing a cluster recipe elsewhere)
-    validate(load_config(TINY, [f"model.path={tmp_path}/nope"]), check_paths=False)
+    preflight(load_config(TINY, [f"model.path={tmp_path}/nope"]), check_paths=False)
 
 
 def test_missing_mandatory_model_path(tmp_path) -> None:
@@ -223,7 +224,7 @@ def test_data_with_too_many_unusable_rows_is_refused_before_launch(tmp_path) -> 
     f.write_text("\n".join([*rows, '{"prompt": 3}']) + "\n")  # 1 of 10 rows unusable
     (msg,) = problems_of(f"data.train_files=[{f}]")
     assert msg.startswith("data.train_files[0]=") and "1 of 10 rows unusable" in msg and "row 9" in msg, msg
-    validate(load_config(TINY, [f"data.train_files=[{f}]", "data.max_skipped_row_share=0.1"]))
+    preflight(load_config(TINY, [f"data.train_files=[{f}]", "data.max_skipped_row_share=0.1"]))
 
 
 def test_catalogue_is_large_and_run_refuses_before_launch(tmp_path) -> None:
@@ -257,7 +258,7 @@ def test_multi_turn_problems_name_the_key() -> None:
     (msg,) = problems_of("rollout.multi_turn.max_total_tokens=1000", path=tools)
     assert msg.startswith("rollout.multi_turn.max_total_tokens=1000: with data.max_prompt_length=128"), msg
     # off (the default): nothing is checked
-    validate(load_config(TINY, ["rollout.multi_turn.format=xml"]))
+    preflight(load_config(TINY, ["rollout.multi_turn.format=xml"]))
 
 
 def test_the_switches_of_a_malformed_catalogue_entry_are_each_fine_alone() -> None:
@@ -268,9 +269,9 @@ def test_the_switches_of_a_malformed_catalogue_entry_are_each_fine_alone() -> No
                       ["reference.enable=false", "actor.use_kl_loss=true", "actor.kl_loss_coef=0"],
                       ["algorithm.policy_loss=clip_higher", "actor.clip_ratio_high=0.28"],
                       ["actor.lora.rank=8"]):
-        validate(load_config(TINY, overrides))
+        preflight(load_config(TINY, overrides))
     # DPO has no ratio: LoRA dropout is allowed there
-    validate(load_config(REPO / "configs" / "dpo_tiny.yaml", ["actor.lora.rank=8", "actor.lora.dropout=0.1"]))
+    preflight(load_config(REPO / "configs" / "dpo_tiny.yaml", ["actor.lora.rank=8", "actor.lora.dropout=0.1"]))
 
 
 def test_top_p_or_top_k_with_rollout_log_probs_warns(capsys: pytest.CaptureFixture[str]) -> None:

@@ -34,9 +34,10 @@ import torch
 from conftest import HPCRL, PYTHON, REPO, TINY_MODEL, read_jsonl, run
 
 from hpcrl.algos.dpo import dpo_loss, dpo_metrics, dpo_pair_stats
-from hpcrl.config import ConfigError, load_config, validate
+from hpcrl.config import ConfigError, load_config
 from hpcrl.data import PreferenceDataset, scan_preference_rows
 from hpcrl.trainer.dpo import preference_batch, validation_batches
+from hpcrl.trainer.preflight import preflight
 from hpcrl.workers.megatron_roles import dpo_pair_rows
 
 DPO_TINY = REPO / "configs" / "dpo_tiny.yaml"
@@ -202,7 +203,7 @@ def test_bad_rows_are_skipped_up_to_the_share_and_refused_above(tmp_path: Path) 
 # configs ----------------------------------------------------------------------------------------
 def dpo_problems(*overrides: str) -> list[str]:
     with pytest.raises(ConfigError) as e:
-        validate(load_config(DPO_TINY, list(overrides)))
+        preflight(load_config(DPO_TINY, list(overrides)))
     return e.value.problems
 
 
@@ -236,9 +237,9 @@ def test_bad_dpo_config_is_refused_naming_the_key(overrides: list[str], key: str
 
 @pytest.mark.usefixtures("_from_repo_root")
 def test_dpo_recipe_validates_and_the_cli_refuses_before_launch(tmp_path: Path) -> None:
-    validate(load_config(DPO_TINY))
+    preflight(load_config(DPO_TINY))
     # the RL loop's batch arithmetic does not apply (mini-batches of samples, rollout.n)
-    validate(load_config(DPO_TINY, ["actor.ppo_mini_batch_size=7", "rollout.n=1"]))
+    preflight(load_config(DPO_TINY, ["actor.ppo_mini_batch_size=7", "rollout.n=1"]))
     run_dir = tmp_path / "run"
     r = run([HPCRL, "run", str(DPO_TINY), f"trainer.run_dir={run_dir}", "algorithm.dpo.beta=0"], timeout=120)
     assert r.returncode == 2 and "algorithm.dpo.beta=0" in r.stderr and not run_dir.exists(), r.stderr

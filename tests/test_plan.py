@@ -110,7 +110,7 @@ def test_shards_add_up_to_the_model() -> None:
 def test_tiny_cpu_terms_by_hand() -> None:
     """grpo_tiny (CPU, fp32, actor TP=2 on 4 workers, rollout TP=1), each term worked out by hand."""
     cfg = load_config(REPO / TINY)
-    validate(cfg, check_paths=False)
+    validate(cfg)
     est = estimate(cfg, RoleShapes(policy=tiny_shape()), host_mem_bytes=3 << 30, host_mem_source="test")
     phases = {p.name: p.terms for p in est.phases}
     assert list(phases) == ["rollout", "reshard", "forward", "update actor", "optimizer step"]
@@ -164,7 +164,7 @@ def test_smollm2_kv_cache_matches_the_recipe_comment() -> None:
 
 def test_gpu_terms_by_hand_70b_32_nodes() -> None:
     cfg = load_config(REPO / PPO_70B)
-    validate(cfg, check_paths=False)
+    validate(cfg)
     est = estimate(cfg, RoleShapes(policy=read_model_shape(LLAMA3_70B)), gpu_mem_bytes=80 * GIB)
     assert (est.stage, est.pipeline_stages, est.dtype) == (0, 8, "bf16")
     phases = {p.name: p.terms for p in est.phases}
@@ -198,7 +198,7 @@ def test_lora_plans_adapter_optimizer_state_and_no_reference_copy() -> None:
     """70B with LoRA rank 16 on every linear layer: the optimizer terms count the adapters of the
     stage (by hand from the shard shapes), the base stays bf16 weights only, no reference copy."""
     cfg = load_config(REPO / PPO_70B, ["actor.lora.rank=16"])
-    validate(cfg, check_paths=False)
+    validate(cfg)
     est = estimate(cfg, RoleShapes(policy=read_model_shape(LLAMA3_70B)), gpu_mem_bytes=80 * GIB)
     update = {p.name: p.terms for p in est.phases}["update actor"]
     stage0, r, h, tp = 1_201_045_504, 16, 8192, 8
@@ -310,7 +310,7 @@ def test_split_placement_plans_trainer_and_rollout_workers_apart() -> None:
     each): a trainer worker holds no vLLM and sends the weights; a rollout worker holds vLLM alone
     and receives them. Each term by hand."""
     cfg = load_config(REPO / TINY, ["trainer.placement=split", "trainer.rollout_workers=2"])
-    validate(cfg, check_paths=False)
+    validate(cfg)
     shapes = RoleShapes(policy=tiny_shape())
     trainer = estimate(cfg, shapes, host_mem_bytes=3 << 30, host_mem_source="test")
     rollout = estimate_rollout_worker(cfg, shapes, host_mem_bytes=3 << 30, host_mem_source="test")
@@ -344,7 +344,7 @@ def test_split_kv_cache_is_sized_for_the_rollout_workers_only() -> None:
     if not SMOLLM2.exists():  # make test builds it: under CI=true its absence is a failure
         (pytest.fail if IN_CI else pytest.skip)("models/smollm2-135m-instruct not built (make models)")
     cfg = load_config(REPO / "configs" / "grpo_smollm2.yaml", ["trainer.placement=split", "trainer.rollout_workers=1"])
-    validate(cfg, check_paths=False)
+    validate(cfg)
     est = estimate_rollout_worker(cfg, RoleShapes(policy=read_model_shape(SMOLLM2)))
     assert est.kv.nbytes == int(1.25 * 64 * 320 * 30 * 2 * 3 * 64 * 4)
     assert est.kv.samples_per_engine == 32 and est.kv.val_per_engine == 64

@@ -6,16 +6,23 @@ All problems are collected, not just the first, so one edit fixes a config.
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import math
 import re
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from hpcrl.config.derived import (
+    critic_enabled,
+    is_dpo,
+    is_split,
+    kl_loss_active,
+    reference_enabled,
+    rollout_world_size,
+    staleness_depth,
+    trainer_world_size,
+    world_size,
+)
 from hpcrl.config.loader import ConfigError
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -124,97 +131,10 @@ RANGES: dict[str, tuple[float | None, float | None, bool]] = {
 }
 
 _SLURM_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$|^\d+-\d+$")
-_ENTRY_POINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+ENTRY_POINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Parallel layout of one role over the worker ranks."""
-
-    tp: int
-    pp: int
-    dp: int
-
-    def __str__(self) -> str:
-        return f"TP={self.tp} PP={self.pp} DP={self.dp}"
-
-
-def world_size(cfg: DictConfig) -> int:
-    """Number of worker ranks (the controller rank is not counted)."""
-    return cfg.trainer.nnodes * cfg.trainer.workers_per_node
-
-
-def is_split(cfg: Any) -> bool:
-    """The rollout engines run on workers of their own (trainer.placement=split); cfg is the config
-    or its plain-dict form."""
-    return cfg["trainer"]["placement"] == "split"
-
-
-def trainer_world_size(cfg: DictConfig) -> int:
-    """Workers that hold the Megatron roles: all of them colocated, the first ones split."""
-    return world_size(cfg) - (cfg.trainer.rollout_workers if is_split(cfg) else 0)
-
-
-def rollout_world_size(cfg: Any) -> int:
-    """Workers that run vLLM engines: all of them colocated, the last trainer.rollout_workers split;
-    cfg is the config or its plain-dict form."""
-    t = cfg["trainer"]
-    return t["rollout_workers"] if is_split(cfg) else t["nnodes"] * t["workers_per_node"]
-
-
-def max_staleness(cfg: Any) -> int:
-    """How many steps generation runs ahead of training (rollout.max_staleness; null: 1 split, 0
-    colocated); cfg is the config or its plain-dict form."""
-    s = cfg["rollout"]["max_staleness"]
-    return int(s) if s is not None else (1 if is_split(cfg) else 0)
-
-
-def is_dpo(cfg: Any) -> bool:
-    """The config trains with DPO (hpcrl/trainer/dpo.py), not the RL loop; cfg is the config or its
-    plain-dict form."""
-    return cfg["algorithm"]["name"] == "dpo"
-
-
-def critic_enabled(cfg: DictConfig) -> bool:
-    if cfg.critic.enable is None and is_dpo(cfg):
-        return False
-    return cfg.critic.enable if cfg.critic.enable is not None else cfg.algorithm.adv_estimator == "gae"
-
-
-def reference_enabled(cfg: DictConfig) -> bool:
-    if is_dpo(cfg):  # DPO's loss is relative to the reference (reference.enable=false is refused)
-        return cfg.reference.enable is not False
-    if cfg.reference.enable is not None:
-        return cfg.reference.enable
-    # a KL loss with coefficient 0 changes nothing: no reference model, no reference forward
-    return bool(kl_loss_active(cfg) or cfg.algorithm.use_kl_in_reward)
-
-
-def kl_loss_active(cfg: Any) -> bool:
-    """The actor's loss has a KL term (use_kl_loss with a non-zero coefficient); cfg is the config
-    or its plain-dict form."""
-    actor = cfg["actor"]
-    return bool(actor["use_kl_loss"]) and float(actor["kl_loss_coef"]) != 0.0
-
-
-def role_layouts(cfg: DictConfig) -> dict[str, Layout]:
-    """Training layouts of the enabled Megatron roles (assumes a validated config)."""
-    w = trainer_world_size(cfg)
-    par = {"actor": cfg.actor.parallel}
-    if critic_enabled(cfg):
-        par["critic"] = cfg.critic.parallel or cfg.actor.parallel
-    if reference_enabled(cfg):
-        par["reference"] = cfg.reference.parallel or cfg.actor.parallel
-    return {role: Layout(p.tensor_parallel, p.pipeline_parallel, w // (p.tensor_parallel * p.pipeline_parallel))
-            for role, p in par.items()}
-
-
-def rollout_layout(cfg: DictConfig) -> Layout:
-    tp = cfg.rollout.tensor_parallel
-    return Layout(tp, 1, rollout_world_size(cfg) // tp)
-
-
-def _get(cfg: DictConfig, dotted: str) -> Any:
+def dotted_value(cfg: DictConfig, dotted: str) -> Any:
     node: Any = cfg
     for part in dotted.split("."):
         if node is None:  # an optional section left null (e.g. critic.parallel: the actor's)
@@ -239,13 +159,13 @@ def _non_finite(node: Any, prefix: str = "") -> list[str]:
 
 def _check_choices_and_ranges(cfg: DictConfig, problems: list[str]) -> None:
     for key in _non_finite(cfg):
-        problems.append(f"{key}={_get(cfg, key)}: must be a finite number.")
+        problems.append(f"{key}={dotted_value(cfg, key)}: must be a finite number.")
     for key, allowed in CHOICES.items():
-        value = _get(cfg, key)
+        value = dotted_value(cfg, key)
         if value not in allowed:
             problems.append(f"{key}={value!r}: not one of {', '.join(allowed)}.")
     for key, (lo, hi, lo_inclusive) in RANGES.items():
-        value = _get(cfg, key)
+        value = dotted_value(cfg, key)
         if value is None:
             continue
         too_low = lo is not None and (value < lo if lo_inclusive else value <= lo)
@@ -256,7 +176,7 @@ def _check_choices_and_ranges(cfg: DictConfig, problems: list[str]) -> None:
             problems.append(f"{key}={value}: must be {' and '.join(s for s in (lo_s, hi_s) if s)}.")
     for role in ("actor", "critic"):
         for beta in ("adam_beta1", "adam_beta2"):
-            value = _get(cfg, f"{role}.optim.{beta}")
+            value = dotted_value(cfg, f"{role}.optim.{beta}")
             if not 0 <= value < 1:
                 problems.append(f"{role}.optim.{beta}={value}: must be >= 0 and < 1 (Adam's moment decay).")
     top_k = cfg.rollout.top_k
@@ -264,16 +184,10 @@ def _check_choices_and_ranges(cfg: DictConfig, problems: list[str]) -> None:
         problems.append(f"rollout.top_k={top_k}: must be -1 (off) or >= 1.")
     if not _SLURM_TIME.match(str(cfg.slurm.time)):
         problems.append(f"slurm.time={cfg.slurm.time!r}: not a Slurm time. Use MM, HH:MM:SS or D-HH:MM:SS.")
-    if cfg.reward.function != "builtin" and not _ENTRY_POINT.match(cfg.reward.function):
+    if cfg.reward.function != "builtin" and not ENTRY_POINT.match(cfg.reward.function):
         problems.append(f"reward.function={cfg.reward.function!r}: use 'builtin' or 'package.module:function'.")
     lora = cfg.actor.lora
-    if lora.rank:
-        from hpcrl.engines.megatron.lora import resolve_targets
-
-        try:
-            resolve_targets(list(lora.target_modules))
-        except ValueError as e:
-            problems.append(f"{e}.")
+    if lora.rank:  # (the targets are checked against the engine's layers by the preflight)
         if lora.dropout >= 1:
             problems.append(f"actor.lora.dropout={lora.dropout}: must be < 1.")
     elif lora.adapters:
@@ -342,7 +256,7 @@ def _check_layout(cfg: DictConfig, problems: list[str]) -> None:
 
     samples = cfg.data.train_batch_size * cfg.rollout.n
     for role in ("actor", "critic") if critic_enabled(cfg) else ("actor",):
-        mb = _get(cfg, f"{role}.ppo_mini_batch_size")
+        mb = dotted_value(cfg, f"{role}.ppo_mini_batch_size")
         if mb >= 1 and samples % mb:
             problems.append(f"{role}.ppo_mini_batch_size={mb}: must divide the {samples} samples of a step "
                             f"(data.train_batch_size={cfg.data.train_batch_size} x rollout.n={cfg.rollout.n}).")
@@ -373,7 +287,7 @@ def _check_placement(cfg: DictConfig, problems: list[str]) -> bool:
         return False
     if is_dpo(cfg):
         problems.append("trainer.placement=split: algorithm.name=dpo has no rollout; use the colocated placement.")
-    if max_staleness(cfg) > 0:
+    if staleness_depth(cfg) > 0:
         # these make several generation rounds per step, each depending on the last one's results
         for key, on, why in (("algorithm.dynamic_sampling", cfg.algorithm.dynamic_sampling,
                               "refills a batch from what its rewards were"),
@@ -382,8 +296,8 @@ def _check_placement(cfg: DictConfig, problems: list[str]) -> bool:
                              ("rollout.multi_turn.enable", cfg.rollout.multi_turn.enable,
                               "the multi-turn loop drives the engines turn by turn")):
             if on:
-                problems.append(f"{key}={_get(cfg, key)}: not with generation ahead of training "
-                                f"(rollout.max_staleness={max_staleness(cfg)}): it {why}. Set "
+                problems.append(f"{key}={dotted_value(cfg, key)}: not with generation ahead of training "
+                                f"(rollout.max_staleness={staleness_depth(cfg)}): it {why}. Set "
                                 "rollout.max_staleness=0 to use it with the split placement.")
     return True
 
@@ -464,50 +378,9 @@ def _check_dpo(cfg: DictConfig, problems: list[str]) -> None:
                         f"{w // tp_pp}: DPO gives every DP rank whole pairs, the same number each.")
 
 
-def read_hf_config(model_path: str) -> dict[str, Any]:
-    with open(Path(model_path) / "config.json") as f:
-        return json.load(f)
-
-
-def _importable(module: str) -> bool:
-    """The module can be found on this process's path (without importing it)."""
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
-
-
-def _check_class_spec(key: str, spec: Any, builtins: dict[str, Any], check_paths: bool, problems: list[str]) -> None:
-    """A `name` or {class: "package.module:Class" | name, kwargs: {...}} entry (tools, tool-call format)."""
-    shown = json.dumps(spec) if isinstance(spec, (str, dict, list)) else repr(spec)
-    allowed = f"a built-in name ({', '.join(builtins)}) or {{class: 'package.module:Class', kwargs: {{...}}}}"
-    if isinstance(spec, dict):
-        unknown = sorted(set(spec) - {"class", "kwargs"})
-        if unknown:
-            problems.append(f"{key}={shown}: unknown keys {unknown}; use {allowed}.")
-            return
-        if spec.get("kwargs") is not None and not isinstance(spec["kwargs"], dict):
-            problems.append(f"{key}.kwargs={json.dumps(spec['kwargs'])}: must be a mapping of keyword arguments.")
-            return
-        target = spec.get("class")
-    else:
-        target = spec
-    if not isinstance(target, str) or not (target in builtins or _ENTRY_POINT.match(target)):
-        problems.append(f"{key}={shown}: use {allowed}.")
-        return
-    if check_paths and target not in builtins:
-        module = target.split(":")[0]
-        if not _importable(module):
-            problems.append(f"{key}={shown}: module {module!r} is not importable (the controller imports it). "
-                            "Put it on PYTHONPATH.")
-
-
-def _check_multi_turn(cfg: DictConfig, check_paths: bool, problems: list[str]) -> None:
-    """rollout.multi_turn: tools and format written as the loader takes them, and what the RL loop's
-    other switches cannot do with conversations."""
-    from hpcrl.agents.formats import BUILTIN_FORMATS
-    from hpcrl.agents.tools import BUILTIN_TOOLS
-
+def _check_multi_turn(cfg: DictConfig, problems: list[str]) -> None:
+    """rollout.multi_turn: what the RL loop's other switches cannot do with conversations (the tools
+    and the format against the registry: the preflight)."""
     mt = cfg.rollout.multi_turn
     if not mt.enable:
         return
@@ -515,175 +388,27 @@ def _check_multi_turn(cfg: DictConfig, check_paths: bool, problems: list[str]) -
         problems.append("rollout.multi_turn.enable=true: algorithm.name=dpo trains on fixed preference pairs and "
                         "generates nothing. Set it to false.")
         return
-    tools = OmegaConf.to_container(mt.tools, resolve=True)
-    if not tools:
-        problems.append("rollout.multi_turn.tools: empty; rollout.multi_turn.enable=true needs at least one tool "
-                        f"(built-in: {', '.join(BUILTIN_TOOLS)}, or {{class: 'package.module:Class'}}).")
-    for i, spec in enumerate(tools):
-        _check_class_spec(f"rollout.multi_turn.tools[{i}]", spec, BUILTIN_TOOLS, check_paths, problems)
-    fmt = mt.format
-    fmt = OmegaConf.to_container(fmt, resolve=True) if OmegaConf.is_config(fmt) else fmt
-    _check_class_spec("rollout.multi_turn.format", fmt, BUILTIN_FORMATS, check_paths, problems)
     if cfg.algorithm.overlong_buffer > 0:
         problems.append(f"algorithm.overlong_buffer={cfg.algorithm.overlong_buffer}: DAPO's overlong penalty is "
                         "measured against rollout.max_new_tokens, one turn; with rollout.multi_turn.enable=true set "
                         "it to 0 (the token budget is rollout.multi_turn.max_total_tokens).")
 
 
-def _check_model_shape(cfg: DictConfig, hf: dict[str, Any], problems: list[str]) -> None:
-    heads = hf.get("num_attention_heads")
-    kv = hf.get("num_key_value_heads") or heads
-    layers = hf.get("num_hidden_layers")
-    if not (heads and layers):
-        problems.append(f"model.path={cfg.model.path!r}: config.json lacks num_attention_heads/"
-                        "num_hidden_layers; hpcrl supports Llama- and Qwen2-family models.")
-        return
-    for role, lay in role_layouts(cfg).items() if not _layout_broken(cfg) else ():
-        key = f"{role}.parallel" if role != "reference" or cfg.reference.parallel is not None else "actor.parallel"
-        # Megatron splits query heads and KV groups across TP, and whole layers across PP.
-        if heads % lay.tp or kv % lay.tp:
-            problems.append(f"{key}.tensor_parallel={lay.tp}: the model has {heads} attention heads and {kv} "
-                            f"KV heads; TP must divide both (allowed: {_divisors(_gcd(heads, kv))}).")
-        if layers % lay.pp:
-            problems.append(f"{key}.pipeline_parallel={lay.pp}: the model has {layers} layers; PP must divide "
-                            f"it (allowed: {_divisors(layers)}).")
-    mt = cfg.rollout.multi_turn
-    positions = hf.get("max_position_embeddings")
-    if mt.enable and positions and cfg.data.max_prompt_length + mt.max_total_tokens > positions:
-        problems.append(f"rollout.multi_turn.max_total_tokens={mt.max_total_tokens}: with data.max_prompt_length="
-                        f"{cfg.data.max_prompt_length} a conversation may reach "
-                        f"{cfg.data.max_prompt_length + mt.max_total_tokens} tokens, past the model's "
-                        f"{positions} positions (max_position_embeddings). Lower one of them.")
-    rtp = cfg.rollout.tensor_parallel
-    # vLLM replicates KV heads when TP exceeds them, so only the query heads must split evenly.
-    if rtp >= 1 and (heads % rtp or (kv % rtp and rtp % kv)):
-        problems.append(f"rollout.tensor_parallel={rtp}: the model has {heads} attention heads and {kv} KV "
-                        "heads; vLLM needs TP to divide the heads, and the KV heads to divide or be divisible "
-                        "by TP.")
-
-
-def _gcd(a: int, b: int) -> int:
-    while b:
-        a, b = b, a % b
-    return a
-
-
-def _layout_broken(cfg: DictConfig) -> bool:
-    w = trainer_world_size(cfg)
-    if w < 1:
-        return True
-    return any(p.tensor_parallel < 1 or p.pipeline_parallel < 1 or w % (p.tensor_parallel * p.pipeline_parallel)
-               for p in (cfg.actor.parallel, cfg.critic.parallel or cfg.actor.parallel,
-                         cfg.reference.parallel or cfg.actor.parallel))
-
-
-def _check_paths(cfg: DictConfig, problems: list[str]) -> dict[str, Any] | None:
-    hf = None
-    mp = Path(cfg.model.path)
-    if not (mp / "config.json").is_file():
-        why = "does not exist" if not mp.exists() else "has no config.json"
-        problems.append(f"model.path={cfg.model.path!r}: {why}. Point it at a local HuggingFace model folder "
-                        "(`make models` builds the offline ones into models/).")
-    else:
-        try:
-            hf = read_hf_config(str(mp))
-        except (OSError, json.JSONDecodeError) as e:
-            problems.append(f"model.path={cfg.model.path!r}: config.json unreadable: {e}.")
-    if cfg.actor.lora.rank and cfg.actor.lora.adapters:
-        a = Path(cfg.actor.lora.adapters)
-        if not (a / "adapter_config.json").is_file():
-            problems.append(f"actor.lora.adapters={cfg.actor.lora.adapters!r}: no adapter_config.json there; point "
-                            "it at a PEFT LoRA folder (`hpcrl ckpt export-hf RUN --lora` writes one).")
-    for key in ("model.tokenizer_path", "critic.model_path", "reward.model_path"):
-        value = _get(cfg, key)
-        if value is not None and not Path(value).exists():
-            problems.append(f"{key}={value!r}: does not exist.")
-    for key in ("data.train_files", "data.val_files"):
-        for i, f in enumerate(_get(cfg, key)):
-            if not Path(f).is_file():
-                problems.append(f"{key}[{i}]={f!r}: no such file. `make data` writes the arithmetic sets "
-                                "into data/.")
-            elif not f.endswith((".parquet", ".jsonl", ".json")):
-                problems.append(f"{key}[{i}]={f!r}: must be .parquet or .jsonl.")
-            elif key == "data.train_files" or cfg.trainer.val_every:
-                _check_rows(cfg, f"{key}[{i}]", f, problems)
-    if not cfg.data.train_files:
-        problems.append("data.train_files: empty. List at least one .parquet or .jsonl file.")
-    if cfg.checkpoint.resume not in ("auto", "never") and not Path(cfg.checkpoint.resume).is_dir():
-        problems.append(f"checkpoint.resume={cfg.checkpoint.resume!r}: use auto, never, or an existing "
-                        "checkpoint folder.")
-    fn = cfg.reward.function
-    if fn != "builtin" and _ENTRY_POINT.match(fn):
-        module = fn.split(":")[0]
-        if not _importable(module):
-            problems.append(f"reward.function={fn!r}: module {module!r} is not importable. Put it on "
-                            "PYTHONPATH on every node.")
-    if cfg.logging.wandb.mode != "disabled" and importlib.util.find_spec("wandb") is None:
-        problems.append(f"logging.wandb.mode={cfg.logging.wandb.mode!r}: wandb is not installed "
-                        "(`pip install wandb`), or set logging.wandb.mode=disabled.")
-    return hf
-
-
-def _check_preference_rows(cfg: DictConfig, key: str, path: str, problems: list[str]) -> None:
-    """A DPO data file's rows: the preference columns exist, and not too many rows are unusable."""
-    from hpcrl.data import scan_preference_rows
-
-    d = cfg.data
-    try:
-        scan = scan_preference_rows(path, d.prompt_key, d.chosen_key, d.rejected_key)
-    except (OSError, ValueError) as e:
-        problems.append(f"{key}={path!r}: unreadable ({e})")
-        return
-    missing = scan.missing_keys(d.prompt_key, d.chosen_key, d.rejected_key)
-    if missing:
-        names = {d.prompt_key: "data.prompt_key", d.chosen_key: "data.chosen_key", d.rejected_key: "data.rejected_key"}
-        problems.append(f"{key}={path!r}: no row has {', '.join(f'{k!r} ({names[k]})' for k in missing)}; "
-                        "algorithm.name=dpo reads preference pairs in TRL's schema: prompt, chosen, rejected "
-                        f"(columns present: {', '.join(sorted(scan.keys_seen)) or 'none'}).")
-        return
-    refusal = scan.refusal(d.max_skipped_row_share)
-    if refusal:
-        problems.append(f"{key}={path!r}: {refusal}")
-
-
-def _check_rows(cfg: DictConfig, key: str, path: str, problems: list[str]) -> None:
-    """A data file's rows, read now rather than after the workers have started (or a day in a Slurm
-    queue): not too many unusable ones, and a builtin reward rule for every data_source."""
-    from hpcrl.data import scan_rows
-    from hpcrl.rewards.builtin import known_data_sources, style_of
-
-    if is_dpo(cfg):
-        _check_preference_rows(cfg, key, path, problems)
-        return
-    try:
-        scan = scan_rows(path, cfg.data.prompt_key)
-    except (OSError, ValueError) as e:
-        problems.append(f"{key}={path!r}: unreadable ({e})")
-        return
-    refusal = scan.refusal(cfg.data.max_skipped_row_share)
-    if refusal:
-        problems.append(f"{key}={path!r}: {refusal}")
-    if cfg.reward.function != "builtin":
-        return
-    for source, rows in scan.sources().items():
-        if style_of(source) is None:
-            shown = ", ".join(map(str, rows[:5])) + (", ..." if len(rows) > 5 else "")
-            problems.append(f"{key}={path!r}: data_source {source!r} ({len(rows)} rows: {shown}) has no rule in "
-                            f"reward.function=builtin (it knows: {', '.join(known_data_sources())}). Set "
-                            "reward.function to a 'package.module:function' that scores it, or fix the rows.")
-
-
-def validate(cfg: DictConfig, check_paths: bool = True) -> None:
-    """Raise ConfigError listing every problem. `check_paths=False` skips files and the model's shape
-    (for preparing a cluster recipe on a machine that cannot see the cluster's filesystem)."""
+def value_problems(cfg: DictConfig) -> list[str]:
+    """Every problem of the config's values: types, choices, ranges and the arithmetic between keys.
+    Nothing here reads a file or knows an engine, a data set or a reward (hpcrl.trainer.preflight)."""
     problems: list[str] = []
     _check_choices_and_ranges(cfg, problems)
     _check_layout(cfg, problems)
     _check_rl_switches(cfg, problems)
-    _check_multi_turn(cfg, check_paths, problems)
-    if check_paths:
-        hf = _check_paths(cfg, problems)
-        if hf is not None:
-            _check_model_shape(cfg, hf, problems)
+    _check_multi_turn(cfg, problems)
+    return problems
+
+
+def validate(cfg: DictConfig) -> None:
+    """Raise ConfigError listing every problem of the config's values (`value_problems`). The checks
+    that read files, models and data, and the registries of tools and rewards, are the preflight's
+    (hpcrl.trainer.preflight), which every command runs before it starts anything."""
+    problems = value_problems(cfg)
     if problems:
         raise ConfigError(problems)

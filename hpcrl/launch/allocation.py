@@ -107,7 +107,8 @@ def resolve_config_args(config: str, overrides: Sequence[str], env: Mapping[str,
     explicitly on the command line to something else, that is an error naming the key (exit 2).
     A relative `trainer.run_dir` is resolved against `cwd` (the submit directory) and pinned.
     """
-    from hpcrl.config import ConfigError, load_config, parse_overrides, validate
+    from hpcrl.config import ConfigError, load_config, parse_overrides
+    from hpcrl.trainer.preflight import preflight
 
     nodes, per_node, rollout_nodes = het_worker_shape(env)
     explicit = {key for key, _, _ in parse_overrides(overrides)}
@@ -140,7 +141,7 @@ def resolve_config_args(config: str, overrides: Sequence[str], env: Mapping[str,
         extra.append(override("trainer.run_dir", os.path.abspath(os.path.join(cwd or os.getcwd(), run_dir))))
     final = [*overrides, *extra]
     cfg = load_config(config, final)
-    validate(cfg, check_paths=check_paths)
+    preflight(cfg, check_paths=check_paths)
     return [config, *final], cfg
 
 

@@ -187,7 +187,8 @@ def prepare(req: SubmitRequest, cwd: str | None = None) -> Submission:
 
     Raises ConfigError (exit 2, naming the key) for a bad config or option.
     """
-    from hpcrl.config import ConfigError, load_config, validate
+    from hpcrl.config import ConfigError, load_config
+    from hpcrl.trainer.preflight import preflight
 
     cwd = cwd or os.getcwd()
     cfg = load_config(req.config, req.overrides)  # first pass: what does the config say?
@@ -227,7 +228,7 @@ def prepare(req: SubmitRequest, cwd: str | None = None) -> Submission:
         extra.append(override("trainer.run_dir", run_dir))
     final = [*req.overrides, *extra]
     cfg = load_config(req.config, final)
-    validate(cfg, check_paths=req.check_paths)
+    preflight(cfg, check_paths=req.check_paths)
 
     s = cfg.slurm
     try:

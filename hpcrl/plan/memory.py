@@ -31,7 +31,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from hpcrl.config import is_dpo, role_layouts, rollout_layout
-from hpcrl.config.validate import Layout, is_split, rollout_world_size
+from hpcrl.config.derived import Layout, is_split, rollout_world_size
 from hpcrl.plan.shape import (
     ModelShape,
     largest_reshard_unit_params,

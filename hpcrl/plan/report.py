@@ -21,7 +21,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from hpcrl.config import ConfigError, critic_enabled, reference_enabled, role_layouts, validate, world_size
-from hpcrl.config.validate import is_split, trainer_world_size
+from hpcrl.config.derived import is_split, trainer_world_size
 from hpcrl.plan.memory import (
     GB,
     GIB,
@@ -152,7 +152,7 @@ def cluster_for_plan(cfg: DictConfig, args: argparse.Namespace) -> tuple[DictCon
                                                   if derived else f"dropped: TP x PP = {tp_pp} does not divide {w}"))
             par.data_parallel = None
     try:
-        validate(new, check_paths=False)
+        validate(new)
     except ConfigError as e:
         change.problems = e.problems
         change.fewest_nodes = _fewest_nodes(new)
@@ -165,7 +165,7 @@ def _fewest_nodes(cfg: DictConfig, most: int = 1024) -> int | None:
     for nodes in range(1, most + 1):
         trial.trainer.nnodes = nodes
         try:
-            validate(trial, check_paths=False)
+            validate(trial)
         except ConfigError:
             continue
         return nodes
@@ -321,7 +321,7 @@ def _try(cfg: DictConfig, changes: dict[str, Any], shapes: RoleShapes, gpu_mem: 
     for key, value in changes.items():
         OmegaConf.update(cand, key, value, merge=False)
     try:
-        validate(cand, check_paths=False)
+        validate(cand)
     except ConfigError:
         return None
     return planner(cand, shapes, gpu_mem, host[0], host[1])

@@ -356,16 +356,17 @@ def _train(cfg: DictConfig, progress: PhaseProgress) -> int:
 
 
 def main() -> int:
-    from hpcrl.config import ConfigError, load_config, to_yaml, validate
+    from hpcrl.config import ConfigError, load_config, to_yaml
     from hpcrl.config.validate import config_warnings
     from hpcrl.trainer.metrics import setup_logging
+    from hpcrl.trainer.preflight import preflight
 
     if len(sys.argv) < 2:
         print("usage: hpcrl_entry.py hpcrl.trainer.main:main CONFIG [key=value ...]", file=sys.stderr)
         return 2
     try:
         cfg = load_config(sys.argv[1], sys.argv[2:])
-        validate(cfg)
+        preflight(cfg)
     except ConfigError as e:
         from hpcrl.controller.stderr_log import terminal
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from hpcrl.config.validate import is_split, rollout_world_size
+from hpcrl.config.derived import is_split, rollout_world_size
 from hpcrl.controller import WorkerGroup
 
 log = logging.getLogger("hpcrl.trainer")

@@ -43,7 +43,7 @@ from hpcrl.algos.kl_control import make_kl_controller
 from hpcrl.algos.losses import kl_estimate, truncated_is_weights
 from hpcrl.algos.sampling import groups_with_signal, overlong_penalty
 from hpcrl.config import critic_enabled, reference_enabled
-from hpcrl.config.validate import max_staleness
+from hpcrl.config.derived import staleness_depth
 from hpcrl.controller import WorkerGroup
 from hpcrl.controller.batch import Batch
 from hpcrl.data import PromptDataset, PromptRow, ShuffledSampler, iterate_batches
@@ -146,7 +146,7 @@ class PPOTrainer:
             self.reward_model = WorkerGroup(RewardModelRole, ranks=on, init_kwargs={"cfg": self.plain},
                                             name="reward_model")
         # batches generated ahead of their step (split placement, rollout.max_staleness > 0)
-        self.ahead = RolloutsAhead(max_staleness(cfg))
+        self.ahead = RolloutsAhead(staleness_depth(cfg))
         self.dp_size = self.actor.layout.dp_size
         where = self.actor.describe()
         log.info("worker groups ready in %.1f s: %s (actor rank 0: %s %s, %d torch thread(s), CPUs %s, "

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from hpcrl.config.validate import rollout_world_size
+from hpcrl.config.derived import rollout_world_size
 from hpcrl.controller import Collect, Dispatch, register
 from hpcrl.controller.batch import Batch, even_sizes
 from hpcrl.engines.reshard import naive_reshard, reshard_to_rollout

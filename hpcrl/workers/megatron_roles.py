@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from hpcrl.algos.losses import kl_estimate, ppo_policy_loss, value_loss
-from hpcrl.config.validate import kl_loss_active
+from hpcrl.config.derived import kl_loss_active
 from hpcrl.controller import Collect, Dispatch, Worker, register
 from hpcrl.controller.batch import Batch
 from hpcrl.engines.megatron.engine import EngineOptions, MegatronEngine, OptimSettings, init_model_parallel

@@ -1,0 +1,97 @@
+"""Quantities derived from a config: world sizes, layouts, which roles and terms are on, how far
+generation runs ahead of training. Plain functions of the config (or of its plain-dict form, where
+they say so), used by validation, the planner, the trainer and the workers alike."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Parallel layout of one role over the worker ranks."""
+
+    tp: int
+    pp: int
+    dp: int
+
+    def __str__(self) -> str:
+        return f"TP={self.tp} PP={self.pp} DP={self.dp}"
+
+
+def world_size(cfg: DictConfig) -> int:
+    """Number of worker ranks (the controller rank is not counted)."""
+    return cfg.trainer.nnodes * cfg.trainer.workers_per_node
+
+
+def is_split(cfg: Any) -> bool:
+    """The rollout engines run on workers of their own (trainer.placement=split); cfg is the config
+    or its plain-dict form."""
+    return cfg["trainer"]["placement"] == "split"
+
+
+def trainer_world_size(cfg: DictConfig) -> int:
+    """Workers that hold the Megatron roles: all of them colocated, the first ones split."""
+    return world_size(cfg) - (cfg.trainer.rollout_workers if is_split(cfg) else 0)
+
+
+def rollout_world_size(cfg: Any) -> int:
+    """Workers that run vLLM engines: all of them colocated, the last trainer.rollout_workers split;
+    cfg is the config or its plain-dict form."""
+    t = cfg["trainer"]
+    return t["rollout_workers"] if is_split(cfg) else t["nnodes"] * t["workers_per_node"]
+
+
+def staleness_depth(cfg: Any) -> int:
+    """How many steps generation runs ahead of training (rollout.max_staleness; null: 1 split, 0
+    colocated); cfg is the config or its plain-dict form."""
+    s = cfg["rollout"]["max_staleness"]
+    return int(s) if s is not None else (1 if is_split(cfg) else 0)
+
+
+def is_dpo(cfg: Any) -> bool:
+    """The config trains with DPO (hpcrl/trainer/dpo.py), not the RL loop; cfg is the config or its
+    plain-dict form."""
+    return cfg["algorithm"]["name"] == "dpo"
+
+
+def critic_enabled(cfg: DictConfig) -> bool:
+    if cfg.critic.enable is None and is_dpo(cfg):
+        return False
+    return cfg.critic.enable if cfg.critic.enable is not None else cfg.algorithm.adv_estimator == "gae"
+
+
+def reference_enabled(cfg: DictConfig) -> bool:
+    if is_dpo(cfg):  # DPO's loss is relative to the reference (reference.enable=false is refused)
+        return cfg.reference.enable is not False
+    if cfg.reference.enable is not None:
+        return cfg.reference.enable
+    # a KL loss with coefficient 0 changes nothing: no reference model, no reference forward
+    return bool(kl_loss_active(cfg) or cfg.algorithm.use_kl_in_reward)
+
+
+def kl_loss_active(cfg: Any) -> bool:
+    """The actor's loss has a KL term (use_kl_loss with a non-zero coefficient); cfg is the config
+    or its plain-dict form."""
+    actor = cfg["actor"]
+    return bool(actor["use_kl_loss"]) and float(actor["kl_loss_coef"]) != 0.0
+
+
+def role_layouts(cfg: DictConfig) -> dict[str, Layout]:
+    """Training layouts of the enabled Megatron roles (assumes a validated config)."""
+    w = trainer_world_size(cfg)
+    par = {"actor": cfg.actor.parallel}
+    if critic_enabled(cfg):
+        par["critic"] = cfg.critic.parallel or cfg.actor.parallel
+    if reference_enabled(cfg):
+        par["reference"] = cfg.reference.parallel or cfg.actor.parallel
+    return {role: Layout(p.tensor_parallel, p.pipeline_parallel, w // (p.tensor_parallel * p.pipeline_parallel))
+            for role, p in par.items()}
+
+
+def rollout_layout(cfg: DictConfig) -> Layout:
+    tp = cfg.rollout.tensor_parallel
+    return Layout(tp, 1, rollout_world_size(cfg) // tp)
