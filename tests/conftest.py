@@ -115,7 +115,8 @@ SPLIT_OVERRIDES = ["trainer.placement=split", "trainer.rollout_workers=2", "algo
 
 @pytest.fixture(scope="session")
 def one_step_off(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
-    """The uninterrupted one-step-off run (tests/test_train.py checks it learns; tests/test_resume.py
-    preempts a copy)."""
+    """The uninterrupted one-step-off run (tests/test_train.py checks it learns, and recomputes a
+    queued batch's log-probs with the two checkpoints before it: saved every step, the last 3 kept;
+    tests/test_resume.py preempts a copy)."""
     d = tmp_path_factory.mktemp("one-step-off") / "run"
-    return d, hpcrl_run(d, *SPLIT_OVERRIDES)
+    return d, hpcrl_run(d, *SPLIT_OVERRIDES, "checkpoint.save_every=1", "checkpoint.keep_last=3")

@@ -21,6 +21,9 @@ from typing import Any
 
 import torch
 
+from hpcrl.controller.dispatch import Collect, Dispatch, register
+from hpcrl.workers.megatron_roles import MegatronRole
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # reference_ppo, the independent PPO step
 TINY = str(REPO / "models" / "tiny-qwen2")
@@ -266,7 +269,10 @@ REF_T, REF_LR, REF_CLIP_GRAD, REF_MINI, REF_EPOCHS, REF_SEED = 0.7, 1e-3, 1.0, 2
 
 def reference_batch(n: int):
     """Real text with a response part, old / reference log-probs near the model's at T (so the
-    ratio and the KL are non-trivial and the clip is active on some tokens), random advantages."""
+    ratio and the KL are non-trivial), random advantages. The log-ratio to the old log-probs is
+    drawn inside the clip band [0.8, 1.28] for 60% of the tokens, outside it (ratio ~0.6 or ~1.6:
+    the ratio clip fires where A has the matching sign) for 30%, and at ~4.5 for 10% (the dual clip
+    at c = 3 fires where A < 0, the ratio clip where A > 0)."""
     from reference_ppo import logprobs
     from transformers import AutoModelForCausalLM
 
@@ -275,12 +281,37 @@ def reference_batch(n: int):
     lp = logprobs(hf, {k: b[k] for k in b.keys()}, REF_T)
     g = torch.Generator().manual_seed(7)
     shape = b["input_ids"].shape
-    b["old_logprob"] = lp - 0.3 * torch.rand(shape, generator=g) + 0.1
+    log_ratio = 0.3 * torch.rand(shape, generator=g) - 0.1
+    u = torch.rand(shape, generator=g)
+    log_ratio = torch.where(u < 0.15, log_ratio + 0.5, log_ratio)
+    log_ratio = torch.where((u >= 0.15) & (u < 0.3), log_ratio - 0.5, log_ratio)
+    log_ratio = torch.where(u >= 0.9, log_ratio + 1.45, log_ratio)
+    b["old_logprob"] = lp - log_ratio
     b["ref_logprob"] = lp - 0.5 * torch.randn(shape, generator=g).abs()
     b["advantages"] = torch.randn(shape, generator=g)
     b["old_values"] = 0.1 * torch.randn(shape, generator=g)
     b["returns"] = torch.randn(shape, generator=g)
     return b
+
+
+def run_reference(plain: dict[str, torch.Tensor], rows: list[list[int]], settings: dict[str, Any]) -> dict:
+    """reference_ppo.actor_update on a fresh HF copy of the tiny model (bf16 with fp32 masters, or fp32)."""
+    import reference_ppo
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if settings["masters_fp32"] else torch.float32
+    return reference_ppo.actor_update(AutoModelForCausalLM.from_pretrained(TINY, dtype=dtype), plain, rows, **settings)
+
+
+def reference_errors(ref: dict, steps: list[dict[str, torch.Tensor]], got: dict[str, torch.Tensor],
+                     w0: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """hpcrl's recorded gradients (per step) and weights after the update against a reference run's."""
+    keys = sorted(ref["grads"][0])
+    ref_w = ref["model_weights"]  # bf16 weights in the bf16 case: hpcrl's export is its bf16 model
+    return {"same_names": sorted(steps[0]) == keys and sorted(got) == sorted(ref_w),
+            "grad_rel": [rel_diff(g, r, keys) for g, r in zip(steps, ref["grads"], strict=True)],
+            "update_rel": rel_diff(delta(got, w0), delta(ref_w, w0)),
+            "update_size": rel_diff(ref_w, w0)}  # |w_ref - w0| / |w0|: how far the step moved
 
 
 def reference_step_checks(workers: int, res: dict[str, Any], timed: Any) -> None:
@@ -297,10 +328,22 @@ def reference_step_checks(workers: int, res: dict[str, Any], timed: Any) -> None
 
     batch = reference_batch(8)
     plain = {k: batch[k] for k in batch.keys()}
-    # mini-batches of whole prompts, as the trainer cuts them (each prompt then packed once)
-    rows = minibatch_rows(len(batch), REF_MINI, REF_SEED, batch["prompt_index"].tolist()) * REF_EPOCHS
+    # mini-batches of whole prompts, cut by the reference's own rule; hpcrl's shuffle must cut the
+    # same (else every gradient differs), and the cut is checked on its own: whole prompts, every
+    # row once, not the unshuffled order
+    prompts = batch["prompt_index"].tolist()
+    cut = reference_ppo.prompt_minibatches(prompts, REF_MINI, REF_SEED)
+    flat = [r for mb in cut for r in mb]
+    res["reference_cut"] = {
+        "rows": cut, "every_row_once": sorted(flat) == list(range(len(batch))),
+        "whole_prompts": all({r for r, q in enumerate(prompts) if q in {prompts[x] for x in mb}} == set(mb)
+                             for mb in cut),
+        "shuffled": flat != list(range(len(batch))),
+        "hpcrl_cut": minibatch_rows(len(batch), REF_MINI, REF_SEED, prompts)}
+    rows = cut * REF_EPOCHS
     w0 = load_safetensors_dir(TINY)
     res["reference_step"] = {}
+    controls_done = False
     for case in REFERENCE_CASES:
         tp, pp = case["layout"]
         if case["layout"] not in requested_layouts():
@@ -324,24 +367,34 @@ def reference_step_checks(workers: int, res: dict[str, Any], timed: Any) -> None
         steps = [merged(list(s)) for s in zip(*[r for r in actor.recorded_gradients() if r is not None])]
         got = merged(actor.hf_weights())
 
-        hf = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.bfloat16 if bf16 else torch.float32)
         o = cfg["actor"]["optim"]
-        ref = reference_ppo.actor_update(
-            hf, plain, rows, temperature=t, clip_low=0.2, clip_high=0.28,
-            dual_clip_c=3.0 if case["dual_clip"] else None, kl_type=case["kl"], kl_coef=0.1,
-            entropy_coeff=case["entropy"], loss_agg_mode=case["agg"], lr=REF_LR,
-            betas=(o["adam_beta1"], o["adam_beta2"]), eps=o["adam_eps"], weight_decay=0.01,
-            clip_grad=REF_CLIP_GRAD, masters_fp32=bf16)
-        keys = sorted(ref["grads"][0])
-        ref_w = ref["model_weights"]  # bf16 weights in the bf16 case: hpcrl's export is its bf16 model
+        settings = dict(temperature=t, clip_low=0.2, clip_high=0.28, dual_clip_c=3.0 if case["dual_clip"] else None,
+                        kl_type=case["kl"], kl_coef=0.1, entropy_coeff=case["entropy"], loss_agg_mode=case["agg"],
+                        lr=REF_LR, betas=(o["adam_beta1"], o["adam_beta2"]), eps=o["adam_eps"], weight_decay=0.01,
+                        clip_grad=REF_CLIP_GRAD, masters_fp32=bf16)
+
+        ref = run_reference(plain, rows, settings)
+        steps_n = len(ref["counts"])
         res["reference_step"][name] = {
             "case": {**case, "layout": f"{tp}x{pp}"}, "optimizer_steps": metrics["optimizer_steps"],
-            "same_names": sorted(steps[0]) == keys and sorted(got) == sorted(ref_w),
-            "grad_rel": [rel_diff(g, r, keys) for g, r in zip(steps, ref["grads"], strict=True)],
-            "grad_norms": ref["grad_norms"],
-            "update_rel": rel_diff(delta(got, w0), delta(ref_w, w0)),
-            "update_size": rel_diff(ref_w, w0),  # |w_ref - w0| / |w0|: how far the step moved
+            **reference_errors(ref, steps, got, w0),
+            "grad_norms": ref["grad_norms"], "hpcrl_grad_norm_mean": metrics["grad_norm"],
+            # hpcrl's mini-batch means of the clip shares, and the reference's of the same steps
+            "hpcrl_clipfrac": metrics["pg_clipfrac"], "hpcrl_dual_clipfrac": metrics.get("pg_clipfrac_dual"),
+            "ref_clipfrac": sum(c["clip"] for c in ref["counts"]) / steps_n,
+            "ref_dual_clipfrac": (sum(c["dual_clip"] for c in ref["counts"]) / steps_n if case["dual_clip"]
+                                  else None),
         }
+        if not bf16 and case["entropy"] and not controls_done:
+            # leave-one-term-out: the reference without one term (or with it wrong) must be
+            # farther from hpcrl than the tolerance, or the comparison could not see that term
+            controls_done = True
+            res["reference_controls"] = {"case": name, **{
+                label: reference_errors(run_reference(plain, rows, {**settings, **changed}), steps, got, w0)
+                for label, changed in [
+                    ("no entropy bonus", {"entropy_coeff": 0.0}), ("no weight decay", {"weight_decay": 0.0}),
+                    ("KL sign flipped", {"kl_coef": -settings["kl_coef"]}),
+                    ("temperature ignored", {"temperature": 1.0}), ("no grad-norm clip", {"clip_grad": 0.0})]}}
         actor.close()  # each group's model and process groups are freed before the next one
         timed(f"reference step {name}", t0)
 
@@ -411,6 +464,78 @@ def reference_step_checks(workers: int, res: dict[str, Any], timed: Any) -> None
     timed(f"reference critic {tp}x{pp}", t0)
 
 
+PLAN_SEQ_LEN, PLAN_SEQS = 80, (2, 4)  # sequences per DP rank at the two micro-batch sizes
+
+
+class SavedBytesRole(MegatronRole):
+    """MegatronRole with one more method: an actor update that counts what autograd keeps for the
+    backward (torch.autograd.graph.saved_tensors_hooks: every tensor an op saves, by storage, each
+    once, the model's parameters left out) and the bytes of this rank's parameters."""
+
+    @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.ALL)
+    def update_counting_saved(self, batch: Any) -> dict[str, int]:
+        params = list(self.engine.model.parameters())
+        skip = {p.untyped_storage().data_ptr() for p in params}
+        kept: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in skip:
+                kept[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            self.update_actor(batch)
+        return {"saved_bytes": sum(kept.values()), "tokens": int(batch["attention_mask"].sum()),
+                "param_bytes": sum(p.numel() * p.element_size() for p in params),
+                "tp_rank": self.engine.tp_rank, "dp_rank": self.engine.dp_rank}
+
+
+def plan_term_checks(res: dict[str, Any], timed: Any) -> None:
+    """hpcrl plan's terms one by one against what a TP=2 (DP=2) actor holds: its weights, and the
+    activations one micro-batch keeps for the backward at two micro-batch sizes (the slope per token:
+    the constants of the process cancel). Every position is a response position (the plan's bound)."""
+    from hpcrl.config import load_config, validate
+    from hpcrl.controller import Batch, WorkerGroup
+    from hpcrl.plan import RoleShapes, estimate, read_model_shape
+    from hpcrl.workers.batching import arrange_minibatches
+
+    t0 = time.time()
+    g = torch.Generator().manual_seed(5)
+    measured = {}
+    planned = {}
+    shapes = RoleShapes(policy=read_model_shape(TINY))
+    for k in PLAN_SEQS:
+        tokens = k * PLAN_SEQ_LEN  # one micro-batch of this many tokens on each DP rank
+        overrides = [f"model.path={TINY}", "actor.parallel.tensor_parallel=2", f"actor.micro_batch_tokens={tokens}",
+                     f"actor.ppo_mini_batch_size={2 * k}"]
+        plan_cfg = load_config(REPO / "configs" / "grpo_tiny.yaml", overrides)
+        validate(plan_cfg)
+        phases = {ph.name: ph.terms for ph in estimate(plan_cfg, shapes).phases}
+        planned[k] = {"weights": phases["update actor"]["actor weights (fp32)"],
+                      "kept": phases["update actor"]["activations kept for backward"]
+                      + phases["update actor"]["logits at response positions"], "tokens": tokens}
+        cfg = make_cfg(TINY, 2, 1, micro_batch_tokens=tokens, ppo_mini_batch_size=2 * k)
+        actor = WorkerGroup(SavedBytesRole, init_kwargs={"cfg": cfg, "role": "actor"}, name=f"plan-{k}")
+        n = 2 * k  # DP = 2
+        ids = torch.randint(3, 500, (n, PLAN_SEQ_LEN), generator=g)
+        shape = (n, PLAN_SEQ_LEN)
+        b = Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids), "prompt_index": torch.arange(n),
+                   "response_mask": torch.ones(shape), "advantages": torch.randn(shape, generator=g),
+                   "old_logprob": torch.full(shape, -6.0)})
+        per_rank = actor.update_counting_saved(arrange_minibatches(b, 1, actor.layout.dp_size, "token-mean"))
+        first = next(r for r in per_rank if r["tp_rank"] == 0 and r["dp_rank"] == 0)
+        measured[k] = first
+        actor.close()
+    (k1, k2) = PLAN_SEQS
+    slope = lambda d, key: (d[k2][key] - d[k1][key]) / (d[k2]["tokens"] - d[k1]["tokens"])  # noqa: E731
+    res["plan_terms"] = {
+        "measured": measured, "planned": planned,
+        "weights_measured": measured[k1]["param_bytes"], "weights_planned": planned[k1]["weights"],
+        "kept_per_token_measured": slope(measured, "saved_bytes"), "kept_per_token_planned": slope(planned, "kept")}
+    timed("plan terms", t0)
+
+
 def main() -> None:
     from hpcrl.controller import WorkerGroup, get_runtime
     from hpcrl.workers.batching import arrange_minibatches
@@ -430,9 +555,13 @@ def main() -> None:
         res["timings"][name] = round(time.time() - t0, 1)
         print(f"[megatron_checks] {name}: {res['timings'][name]} s", flush=True)
 
-    # 0. the independent reference PPO step (HPCRL_CHECKS=reference runs only this part)
-    reference_step_checks(workers, res, timed)
-    if os.environ.get("HPCRL_CHECKS") == "reference":
+    # 0. the independent reference PPO step, and the memory plan's terms against what an actor holds
+    # (HPCRL_CHECKS=reference runs only these, HPCRL_CHECKS=plan only the second)
+    if os.environ.get("HPCRL_CHECKS") != "plan":
+        reference_step_checks(workers, res, timed)
+    if workers % 2 == 0:
+        plan_term_checks(res, timed)
+    if os.environ.get("HPCRL_CHECKS") in ("reference", "plan"):
         Path(out_path).write_text(json.dumps(res, indent=1))
         return
 

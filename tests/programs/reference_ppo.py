@@ -2,7 +2,8 @@
 
 Written from the formulas, not from hpcrl (nothing of hpcrl is imported), so that hpcrl's Megatron path can be
 checked from outside. Sequences run unpadded, one per forward; gradients are accumulated sequence by sequence in
-fp32; one AdamW step (torch.optim.AdamW, constant LR) per mini-batch.
+fp32; one AdamW step per mini-batch (`AdamW` below, from the formula: no torch optimizer; constant LR). The
+mini-batches are cut by `prompt_minibatches` (the reference's own rule, not hpcrl's code).
 
 Batch convention: a dict of CPU tensors [B, S], right padded: input_ids, attention_mask (1 = real token),
 response_mask (1 = a generated token the losses count). Per-token fields are token-aligned: entry t belongs to
@@ -14,6 +15,8 @@ Sources:
 - KL estimators k1/k2/k3: Schulman 2020, "Approximating KL Divergence" (http://joschu.net/blog/kl-approx.html).
 - Token-mean aggregation: Yu et al. 2025, "DAPO: An Open-Source LLM RL System at Scale", sec. 3.3.
 - Clipped value loss: the PPO2 baselines implementation (Dhariwal et al. 2017), as in Schulman et al. 2017.
+- AdamW: Loshchilov & Hutter 2019, "Decoupled Weight Decay Regularization", Algorithm 2 (the decay multiplies the
+  weight by 1 - lr * wd, outside the adaptive step); Kingma & Ba 2015, "Adam", Algorithm 1 (bias correction).
 """
 
 from __future__ import annotations
@@ -26,6 +29,47 @@ import torch.nn.functional as F
 
 def _rows(batch: dict[str, torch.Tensor]) -> list[int]:
     return [int(n) for n in batch["attention_mask"].sum(-1).tolist()]
+
+
+def prompt_minibatches(prompt_index: Sequence[int], num_minibatches: int, seed: int) -> list[list[int]]:
+    """Rows of each mini-batch, cut by prompt: the prompts in the order of their first row are permuted by
+    torch.randperm(#prompts) of a generator seeded with `seed`; mini-batch k takes the rows of the k-th run of
+    #prompts / num_minibatches permuted prompts, each prompt's rows in batch order (so a prompt's samples share a
+    mini-batch). This is the shuffle hpcrl documents for its trainer, written here from that sentence."""
+    prompts: dict[int, list[int]] = {}
+    for row, p in enumerate(prompt_index):
+        prompts.setdefault(int(p), []).append(row)
+    groups = list(prompts.values())
+    if len(groups) % num_minibatches:
+        raise ValueError(f"{len(groups)} prompts do not cut into {num_minibatches} equal mini-batches")
+    perm = torch.randperm(len(groups), generator=torch.Generator().manual_seed(seed)).tolist()
+    per = len(groups) // num_minibatches
+    return [[r for k in perm[j * per:(j + 1) * per] for r in groups[k]] for j in range(num_minibatches)]
+
+
+class AdamW:
+    """AdamW from the formula, in float64 arithmetic on the given fp32 tensors (updated in place). Step t:
+      w <- w (1 - lr wd)                                  (decoupled weight decay, Loshchilov & Hutter 2019)
+      m <- b1 m + (1 - b1) g,  v <- b2 v + (1 - b2) g^2
+      w <- w - lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps)   (bias correction, Kingma & Ba 2015)"""
+
+    def __init__(self, params: Sequence[torch.Tensor], lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float):
+        self.params, self.lr, self.betas, self.eps, self.wd = list(params), lr, betas, eps, weight_decay
+        self.m = [torch.zeros(p.shape, dtype=torch.float64) for p in self.params]
+        self.v = [torch.zeros(p.shape, dtype=torch.float64) for p in self.params]
+        self.t = 0
+
+    @torch.no_grad()
+    def step(self, grads: Sequence[torch.Tensor]) -> None:
+        self.t += 1
+        b1, b2 = self.betas
+        for p, g, m, v in zip(self.params, grads, self.m, self.v, strict=True):
+            g = g.double()
+            m.mul_(b1).add_((1.0 - b1) * g)
+            v.mul_(b2).add_((1.0 - b2) * g * g)
+            step = self.lr * (m / (1.0 - b1 ** self.t)) / ((v / (1.0 - b2 ** self.t)).sqrt() + self.eps)
+            p.copy_(p.double() * (1.0 - self.lr * self.wd) - step)
 
 
 def _token_logits(model: torch.nn.Module, ids: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -80,27 +124,34 @@ def _seq_weights(masks: list[torch.Tensor], mode: str) -> list[float]:
 
 
 def _train(params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor], minibatches: Sequence[Sequence[int]],
-           seq_loss: Callable[[int, int], torch.Tensor], loss_agg_mode: str, masters_fp32: bool, lr: float,
-           betas: tuple[float, float], eps: float, weight_decay: float, clip_grad: float) -> dict:
-    """One AdamW step per mini-batch. seq_loss(i, n) is the per-token loss of row i (length n, token-aligned);
-    the mini-batch loss sum_i w_i sum_t m_it loss_it is backpropagated row by row and accumulated in fp32.
-    Before the step: global L2 norm g over all params; if clip_grad > 0 and g > clip_grad, grads *= clip_grad /
-    (g + 1e-6). With masters_fp32 the optimizer updates fp32 copies and they are copied (rounded) into the model."""
+           seq_loss: Callable[[int, int], tuple[torch.Tensor, dict[str, torch.Tensor]]], loss_agg_mode: str,
+           masters_fp32: bool, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+           clip_grad: float) -> dict:
+    """One AdamW step per mini-batch. seq_loss(i, n) is the per-token loss of row i (length n, token-aligned) and
+    per-token counts (0/1) to aggregate like it; the mini-batch loss sum_i w_i sum_t m_it loss_it is
+    backpropagated row by row and accumulated in fp32. Before the step: global L2 norm g over all params; if
+    clip_grad > 0 and g > clip_grad, grads *= clip_grad / (g + 1e-6). The optimizer updates fp32 copies of the
+    weights; with masters_fp32 they are copied (rounded) into the model after every step, else the fp32 model's
+    own weights are updated."""
     names = list(params)
     masters = [params[k].detach().float().clone() if masters_fp32 else params[k] for k in names]
-    opt = torch.optim.AdamW(masters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    opt = AdamW(masters, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     lens = _rows(batch)
-    out: dict = {"grads": [], "grad_norms": [], "losses": []}
+    out: dict = {"grads": [], "grad_norms": [], "losses": [], "counts": []}
     for rows in minibatches:
         masks = [batch["response_mask"][i, : lens[i]].float().clone() for i in rows]
         for m in masks:
             m[0] = 0.0  # token 0 has no prediction
         bufs = [torch.zeros(p.shape, dtype=torch.float32) for p in masters]
         total = 0.0
+        counts: dict[str, float] = {}
         for i, m, w in zip(rows, masks, _seq_weights(masks, loss_agg_mode)):
-            loss = w * (seq_loss(i, lens[i]) * m).sum()
+            per_token, flags = seq_loss(i, lens[i])
+            loss = w * (per_token * m).sum()
             loss.backward()
             total += float(loss.detach())
+            for k, f in flags.items():
+                counts[k] = counts.get(k, 0.0) + w * float((f.float() * m).sum())
             for b, k in zip(bufs, names):
                 p = params[k]
                 if p.grad is not None:
@@ -110,13 +161,11 @@ def _train(params: dict[str, torch.Tensor], batch: dict[str, torch.Tensor], mini
         out["grads"].append({k: b.clone() for k, b in zip(names, bufs)})
         out["grad_norms"].append(norm)
         out["losses"].append(total)
+        out["counts"].append(counts)
         if clip_grad > 0 and norm > clip_grad:
             for b in bufs:
                 b.mul_(clip_grad / (norm + 1e-6))
-        for p, b in zip(masters, bufs):
-            p.grad = b.to(p.dtype)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        opt.step(bufs)
         if masters_fp32:
             with torch.no_grad():
                 for k, m in zip(names, masters):
@@ -140,8 +189,9 @@ def actor_update(model: torch.nn.Module, batch: dict[str, torch.Tensor], minibat
       H  = -sum_v p_v log p_v of softmax(logits[t-1].float() / T), if entropy_coeff != 0
     loss = agg(pg) + kl_coef agg(kl) - entropy_coeff agg(H), agg = loss_agg_mode (see _seq_weights).
     Returns grads (per step, before clipping, HF names as in model.named_parameters(): a tied lm_head appears only
-    as model.embed_tokens.weight), grad_norms, losses, weights (fp32; the masters for masters_fp32) and
-    model_weights (the model's own dtype)."""
+    as model.embed_tokens.weight), grad_norms, losses, counts (per step, aggregated like the loss: "clip", the
+    share of tokens where the ratio clip is active, clamp(r) A < r A; "dual_clip", where the dual clip is, A < 0 and
+    r > c), weights (fp32; the masters for masters_fp32) and model_weights (the model's own dtype)."""
     params = dict(model.named_parameters())
     use_kl = kl_coef != 0.0 and kl_type is not None
 
@@ -151,15 +201,18 @@ def actor_update(model: torch.nn.Module, batch: dict[str, torch.Tensor], minibat
         lp = _token_logprob(logits, ids)
         adv = batch["advantages"][i, :n].float()
         ratio = torch.exp(lp - batch["old_logprob"][i, :n].float())
-        loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high))
+        clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+        loss = torch.maximum(-adv * ratio, -adv * clipped)
+        flags = {"clip": (-adv * clipped > -adv * ratio).detach()}
         if dual_clip_c is not None:
             loss = torch.where(adv < 0, torch.minimum(loss, -adv * dual_clip_c), loss)
+            flags["dual_clip"] = ((adv < 0) & (ratio > dual_clip_c)).detach()
         if use_kl:
             loss = loss + kl_coef * _kl(lp, batch["ref_logprob"][i, :n].float(), kl_type)
         if entropy_coeff != 0.0:
             logp = torch.log_softmax(logits, -1)
             loss = loss - entropy_coeff * -(logp.exp() * logp).sum(-1)
-        return loss
+        return loss, flags
 
     return _train(params, batch, minibatches, seq_loss, loss_agg_mode, masters_fp32, lr, betas, eps,
                   weight_decay, clip_grad)
@@ -186,7 +239,7 @@ def critic_update(model: torch.nn.Module, head_weight: torch.Tensor, head_bias: 
         v = torch.cat([torch.zeros_like(v[:1]), v[:-1]])
         old, ret = batch["old_values"][i, :n].float(), batch["returns"][i, :n].float()
         vc = old + (v - old).clamp(-c, c)
-        return 0.5 * torch.maximum((v - ret).square(), (vc - ret).square())
+        return 0.5 * torch.maximum((v - ret).square(), (vc - ret).square()), {}
 
     return _train(params, batch, minibatches, seq_loss, "token-mean", False, lr, betas, eps, weight_decay,
                   clip_grad)

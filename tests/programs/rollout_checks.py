@@ -64,6 +64,17 @@ class ShmActorRollout(ActorRolloutRole):
     def pid(self) -> int:
         return os.getpid()
 
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the KV cache tensors vLLM allocated on this rank (its model runner's kv_caches,
+        each storage once), while the engine is awake."""
+
+        def count(worker: Any) -> int:
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                        for t in worker.model_runner.kv_caches if torch.is_tensor(t)}
+            return sum(storages.values())
+
+        return self.rollout.llm.collective_rpc(count)[0]
+
     def fill_released_kv_cache_with_nan(self) -> int:
         """Give the KV cache that `sleep` freed its memory back now, every byte 0xFF (NaN in any
         float dtype): what a recycled heap allocation may hold when `wake_up` takes it back (the
@@ -100,6 +111,23 @@ def make_cfg(model: str, tp: int, pp: int, rollout_tp: int, lr: float, *extra: s
         # room for the multi-turn checks' conversations (prompt + 64 tokens), not only prompt + 24
         "rollout.engine_kwargs.max_model_len=256", *extra])
     return OmegaConf.to_container(cfg, resolve=True)
+
+
+def planned_terms(cfg: dict[str, Any], bucket_mb: float) -> dict[str, int]:
+    """hpcrl plan's terms for a worker of this config (the reshard at bucket_mb): the KV cache of
+    one engine rank, and the reshard's bucket with its converted copy."""
+    from omegaconf import OmegaConf
+
+    from hpcrl.config import validate
+    from hpcrl.plan import RoleShapes, estimate, read_model_shape
+
+    plan_cfg = OmegaConf.create(cfg)
+    validate(plan_cfg)
+    plan_cfg.rollout.weight_bucket_mb = bucket_mb  # after validating: the config takes >= 1 MB, the tests less
+    est = estimate(plan_cfg, RoleShapes(policy=read_model_shape(cfg["model"]["path"])))
+    phases = {ph.name: ph.terms for ph in est.phases}
+    return {"kv_cache": phases["rollout"]["vLLM KV cache"],
+            "reshard": phases["reshard"]["reshard bucket + converted copy"]}
 
 
 def prompt_ids(model: str, n: int) -> list[list[int]]:
@@ -157,6 +185,9 @@ def sync_scenario(model: str, tp: int, pp: int, rollout_tp: int, lr: float, n_se
     actor2 = group.compute_logprob(batch)
     out["actor_change"] = masked_max(actor2, actor, mask)
     out["gap_stale"] = masked_max(rollout_logprobs(group, batch), actor2, mask)
+    # the memory plan's terms a rollout rank holds, measured one by one (tests/test_rollout.py)
+    out["kv_cache_bytes"] = group.kv_cache_bytes()
+    out["planned"] = planned_terms(cfg, bucket_mb)
     out["enter_training"] = group.enter_training()
     out["kv_cache_nan_filled_bytes"] = group.fill_released_kv_cache_with_nan()
     out["reshard_2"] = group.enter_rollout(bucket_mb)  # the phase switch an RL step makes
