@@ -57,6 +57,11 @@ CONFIG = "configs/grpo_smollm2.yaml"
 nan = float("nan")
 STEP_LINE = re.compile(r"(step \d+/\d+|validation after|worker groups ready|Traceback|Error)")
 
+OLD_LOGPROB = {
+    "rollout": "hpcrl takes vLLM's (--old-logprob rollout, the demo config's actor.old_logprob; equal to the "
+               "actor's within ~1e-5 in fp32), TRL computes them with a forward of its model",
+    "recompute": "both compute them with a forward of the model being trained (hpcrl: --old-logprob recompute)",
+}
 MINIBATCH = {
     "sample": "both cut them from a shuffle of the samples, with different random streams (hpcrl: "
               "--minibatch-by sample); inside a mini-batch hpcrl puts a prompt's samples on one rank, where it "
@@ -68,8 +73,7 @@ DIFFERENCES = [
     "generation: hpcrl samples with vLLM (CPU), TRL with HF generate; different random streams, so the "
     "sampled completions (and the curves) differ even from the same weights",
     "mini-batches: {minibatch}",
-    "old log-probs: hpcrl takes vLLM's (the demo config's actor.old_logprob: rollout; equal to the "
-    "actor's within ~1e-5 in fp32), TRL computes them with a forward of its model",
+    "old log-probs: {old_logprob}",
     "advantage epsilon: (r - mean) / (std + 1e-6) in hpcrl, (std + 1e-4) in TRL (unbiased std in both)",
     "optimizer: Megatron-core's Adam (fp32 main params) vs torch AdamW; same betas, eps, lr, no decay",
     "transformers: {hpcrl_tf} in .venv (hpcrl, vLLM's pin) vs {trl_tf} in .venv-trl (what TRL installs)",
@@ -282,7 +286,8 @@ def _overrides(args: argparse.Namespace, run_dir: str) -> list[str]:
             f"data.seed={args.seed}", f"trainer.seed={args.seed}", "checkpoint.save_every=0",
             "logging.tensorboard=false",
             f"rollout.cpu_kv_cache_gib={'null' if args.kv_cache_gib is None else args.kv_cache_gib}",
-            f"actor.micro_batch_tokens={args.micro_batch_tokens}", f"actor.minibatch_by={args.minibatch_by}"]
+            f"actor.micro_batch_tokens={args.micro_batch_tokens}", f"actor.minibatch_by={args.minibatch_by}",
+            f"actor.old_logprob={args.old_logprob}"]
 
 
 def _prepare(args: argparse.Namespace, overrides: list[str]) -> dict:
@@ -396,9 +401,12 @@ def _read_hpcrl(run_dir: str, n_steps: int) -> dict:
                     "validate_s": m.get("time/validate", 0.0), "grad_norm": m.get("actor/grad_norm", float("nan")),
                     "phases": {k[5:]: v for k, v in m.items() if k.startswith("time/") and k not in
                                ("time/step", "time/validate", "time/to_training")}})
-    cut = re.search(r"^\s*minibatch_by:\s*(\w+)", open(os.path.join(run_dir, "config.yaml")).read(), re.M)
+    saved = open(os.path.join(run_dir, "config.yaml")).read()
+    cut = re.search(r"^\s*minibatch_by:\s*(\w+)", saved, re.M)
+    old = re.search(r"^\s*old_logprob:\s*(\w+)", saved, re.M)
     return {"steps": out, "val_before": val[0], "val_after": val[n_steps],
-            "minibatch_by": cut.group(1) if cut else "prompt"}  # runs from before the option cut by prompt
+            "minibatch_by": cut.group(1) if cut else "prompt",  # runs from before the option cut by prompt
+            "old_logprob": old.group(1) if old else "rollout"}
 
 
 def _run_trl(args: argparse.Namespace, tmp: str, prepared: dict, env: dict, capture: str | None = None) -> dict:
@@ -513,7 +521,8 @@ def _report(args: argparse.Namespace, h: dict, r: dict, load: tuple[float, float
 
     for line in DIFFERENCES:
         print(f"  - {line}".format(hpcrl_tf=transformers.__version__, trl_tf=v["transformers"],
-                                   minibatch=MINIBATCH[h["minibatch_by"]]))
+                                   minibatch=MINIBATCH[h["minibatch_by"]],
+                                   old_logprob=OLD_LOGPROB[h.get("old_logprob", "rollout")]))
 
 
 def _tail(side: dict) -> list[dict]:
@@ -621,6 +630,9 @@ def main() -> None:
     p.add_argument("--minibatch-by", choices=("sample", "prompt"), default="sample",
                    help="hpcrl's actor.minibatch_by: sample (default: TRL's cut) or prompt (hpcrl's default: each "
                         "prompt's samples in one mini-batch; faster, and no different in learning over 12 seeds)")
+    p.add_argument("--old-logprob", choices=("rollout", "recompute"), default="rollout",
+                   help="hpcrl's actor.old_logprob: rollout (vLLM's log-probs, the demo's) or recompute (a forward "
+                        "of the actor, as TRL does)")
     p.add_argument("--trl-threads", type=int, default=0, help="TRL torch threads (default: = --workers)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--seeds", type=int, nargs="+", metavar="SEED",
