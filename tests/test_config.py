@@ -29,7 +29,7 @@ def problems_of(*overrides: str, path: str = TINY, check_paths: bool = True) -> 
 
 @pytest.mark.parametrize("recipe,check_paths", [
     ("grpo_tiny.yaml", True), ("grpo_smollm2.yaml", True), ("ppo_70b.yaml", False), ("grpo_tools_tiny.yaml", True),
-    ("grpo_tools_smollm2.yaml", True)])
+    ("grpo_tools_smollm2.yaml", True), ("grpo_long_tiny.yaml", True)])
 def test_shipped_recipes_validate(recipe: str, check_paths: bool) -> None:
     preflight(load_config(REPO / "configs" / recipe), check_paths=check_paths)
 
@@ -68,6 +68,31 @@ def test_colocated_megatron_roles_share_one_layout() -> None:
     assert msg.startswith("critic.parallel: TP=1 PP=1 differs from actor.parallel (TP=2 PP=1)")
     (msg,) = problems_of("reference.enable=true", "reference.parallel.pipeline_parallel=2")
     assert msg.startswith("reference.parallel:")
+
+
+def test_long_sequence_layouts_and_what_they_allow() -> None:
+    """The world is TP x PP x CP x DP (DP what the others leave); a layout prints CP and SP only when
+    they are used; the padded baseline with CP, a critic whose SP differs from the actor's, and each
+    recompute mode validate."""
+    from hpcrl.config import Layout
+
+    cfg = load_config(REPO / "configs" / "grpo_long_tiny.yaml")
+    lay = role_layouts(cfg)
+    assert lay["actor"] == Layout(2, 1, 1, 2, True) and str(lay["actor"]) == "TP=2 PP=1 CP=2 DP=1 SP"
+    assert lay["reference"] == lay["actor"]  # colocated: the actor's layout
+    assert lay["actor"].token_multiple == 8  # 2 x CP chunks, each rank's part cut over TP
+    assert Layout(2, 1, 2) == Layout(2, 1, 2, cp=1, sp=False) and str(Layout(2, 1, 2)) == "TP=2 PP=1 DP=2"
+    cp_only = load_config(TINY, ["actor.parallel.tensor_parallel=1", "actor.parallel.context_parallel=2"])
+    assert role_layouts(cp_only)["actor"] == Layout(1, 1, 2, 2) and str(Layout(1, 1, 2, 2)) == "TP=1 PP=1 CP=2 DP=2"
+    for overrides in (
+            # the padded baseline packs nothing: its token budget is not used
+            ["actor.parallel.context_parallel=2", "actor.packing=false", "actor.micro_batch_tokens=2047"],
+            # sequence parallel changes a role's own communication, not the process groups
+            ["algorithm.adv_estimator=gae", "critic.parallel.tensor_parallel=2",
+             "actor.parallel.sequence_parallel=true"],
+            ["actor.recompute=selective"],
+            ["algorithm.adv_estimator=gae", "actor.recompute=full", "critic.recompute=selective"]):
+        preflight(load_config(TINY, overrides))
 
 
 def test_unknown_key_named_in_yaml_and_override(tmp_path) -> None:
@@ -202,9 +227,68 @@ def test_training_temperature_must_be_positive() -> None:
 
 
 CATALOGUE = yaml.safe_load((REPO / "tests" / "data" / "malformed_configs.yaml").read_text())
+# context parallel, sequence parallel and recompute (issue 38), as the catalogue's entries: overrides of
+# grpo_tiny.yaml (TP=2 on 4 workers, micro_batch_tokens 2048, 4096 positions), the key, words it says
+LONG_SEQUENCE_CASES = [
+    {"overrides": ["actor.parallel.context_parallel=4"], "key": "actor.parallel.context_parallel=4",
+     "says": "TP x PP x CP = 8 does not divide the 4 workers"},
+    {"overrides": ["actor.parallel.context_parallel=3"], "key": "actor.parallel.context_parallel=3",
+     "says": "context_parallel in {1, 2}"},
+    {"overrides": ["actor.parallel.context_parallel=0"], "key": "actor.parallel.context_parallel", "says": ">= 1"},
+    {"overrides": ["actor.parallel.tensor_parallel=1", "actor.parallel.sequence_parallel=true"],
+     "key": "actor.parallel.sequence_parallel=true", "says": "needs actor.parallel.tensor_parallel > 1"},
+    {"overrides": ["reference.enable=true", "reference.parallel.tensor_parallel=1",
+                   "reference.parallel.sequence_parallel=true"],
+     "key": "reference.parallel.sequence_parallel=true", "says": "needs reference.parallel.tensor_parallel > 1"},
+    # 2 x CP = 4 places per chunk set: 2050 is not a multiple of 4
+    {"overrides": ["actor.parallel.context_parallel=2", "actor.micro_batch_tokens=2050"],
+     "key": "actor.micro_batch_tokens=2050",
+     "says": "multiple of 4 (actor.parallel.context_parallel=2: 2 x CP chunks a sequence), the length every packed "
+             "row is padded to a multiple of. Use 2048 or 2052."},
+    # with sequence parallel x TP=2: a multiple of 8
+    {"overrides": ["actor.parallel.context_parallel=2", "actor.parallel.sequence_parallel=true",
+                   "actor.micro_batch_tokens=2052"],
+     "key": "actor.micro_batch_tokens=2052", "says": "must be a multiple of 8"},
+    {"overrides": ["actor.parallel.sequence_parallel=true", "actor.micro_batch_tokens=2047"],
+     "key": "actor.micro_batch_tokens=2047", "says": "Use 2046 or 2048"},
+    {"overrides": ["algorithm.adv_estimator=gae", "actor.parallel.context_parallel=2",
+                   "critic.micro_batch_tokens=4094"], "key": "critic.micro_batch_tokens=4094",
+     "says": "actor.parallel.context_parallel=2"},
+    {"overrides": ["actor.parallel.context_parallel=2", "model.local_attention=dense"],
+     "key": "model.local_attention=dense", "says": "actor.parallel.context_parallel=2"},
+    {"overrides": ["actor.recompute=partial"], "key": "actor.recompute", "says": "none, selective, full"},
+    # grpo_tiny's responses are at most 16 tokens
+    {"overrides": ["rollout.min_new_tokens=17"], "key": "rollout.min_new_tokens=17",
+     "says": "must be <= rollout.max_new_tokens=16"},
+    {"overrides": ["rollout.min_new_tokens=-1"], "key": "rollout.min_new_tokens", "says": ">= 0"},
+    {"overrides": ["algorithm.adv_estimator=gae", "critic.recompute=all"], "key": "critic.recompute",
+     "says": "none, selective, full"},
+    {"overrides": ["algorithm.adv_estimator=gae", "actor.parallel.context_parallel=2",
+                   "critic.parallel.tensor_parallel=2"], "key": "critic.parallel",
+     "says": "TP=2 PP=1 CP=1 differs from actor.parallel (TP=2 PP=1 CP=2)"},
+    {"overrides": ["reference.enable=true", "reference.parallel.tensor_parallel=2",
+                   "reference.parallel.context_parallel=2"], "key": "reference.parallel",
+     "says": "differs from actor.parallel"},
+    {"overrides": ["actor.parallel.context_parallel=2", "actor.parallel.data_parallel=2"],
+     "key": "actor.parallel.data_parallel=2", "says": "TP x PP x CP x DP = 2x1x2x2 = 8, but world size is 4"},
+    # DP = 4 / (TP 1 x CP 2) = 2: one sample per mini-batch cannot be split over it
+    {"overrides": ["actor.parallel.tensor_parallel=1", "actor.parallel.context_parallel=2",
+                   "actor.ppo_mini_batch_size=1"],
+     "key": "actor.ppo_mini_batch_size=1", "says": "data-parallel size 2"},
+    {"overrides": ["actor.parallel.sequence_parallel=true", "actor.lora.rank=8"],
+     "key": "actor.parallel.sequence_parallel=true", "says": "not with LoRA"},
+    # CP=3 on 3 workers: a 4096-token sample padded to a multiple of 6 needs 4098 of the 4096 positions
+    {"overrides": ["trainer.workers_per_node=3", "actor.parallel.tensor_parallel=1",
+                   "actor.parallel.context_parallel=3", "rollout.max_new_tokens=3968", "data.train_batch_size=6",
+                   "actor.ppo_mini_batch_size=6", "actor.micro_batch_tokens=4098"],
+     "key": "actor.parallel.context_parallel=3", "says": "takes 4098 positions, past the model's 4096"},
+    {"overrides": ["algorithm.name=dpo", "actor.parallel.context_parallel=2"],
+     "key": "actor.parallel.context_parallel=2", "says": "not with algorithm.name=dpo"},
+]
 
 
-@pytest.mark.parametrize("case", CATALOGUE, ids=[" ".join(c["overrides"]) for c in CATALOGUE])
+@pytest.mark.parametrize("case", CATALOGUE + LONG_SEQUENCE_CASES,
+                         ids=[" ".join(c["overrides"]) for c in CATALOGUE + LONG_SEQUENCE_CASES])
 def test_malformed_config_is_refused_naming_the_key(case: dict, capsys: pytest.CaptureFixture[str]) -> None:
     """Through the command's entry point (`hpcrl config`, in this process): exit status 2, nothing on
     stdout, and a problem line on stderr that starts with the key and says what is wrong."""
@@ -254,9 +338,9 @@ def test_multi_turn_problems_name_the_key() -> None:
     assert msg == "rollout.multi_turn.max_turns=0: must be >= 1.", msg
     (msg,) = problems_of("algorithm.overlong_buffer=4", path=tools)
     assert msg.startswith("algorithm.overlong_buffer=4: DAPO's overlong penalty"), msg
-    # the tiny model has 1024 positions; 128 prompt tokens + 1000 would not fit
-    (msg,) = problems_of("rollout.multi_turn.max_total_tokens=1000", path=tools)
-    assert msg.startswith("rollout.multi_turn.max_total_tokens=1000: with data.max_prompt_length=128"), msg
+    # the tiny model has 4096 positions; 128 prompt tokens + 4000 would not fit
+    (msg,) = problems_of("rollout.multi_turn.max_total_tokens=4000", path=tools)
+    assert msg.startswith("rollout.multi_turn.max_total_tokens=4000: with data.max_prompt_length=128"), msg
     # off (the default): nothing is checked
     preflight(load_config(TINY, ["rollout.multi_turn.format=xml"]))
 
@@ -290,6 +374,10 @@ def test_top_p_or_top_k_with_rollout_log_probs_warns(capsys: pytest.CaptureFixtu
     # the controls: the cut alone, or the rollout's log-probs without a cut, warn of nothing
     assert warned("rollout.top_p=0.9") == warned("rollout.top_k=20", "actor.old_logprob=recompute") == []
     assert warned("actor.old_logprob=rollout") == warned("algorithm.rollout_correction=tis") == []
+    # vLLM's min_tokens masks the end of sequence until then: the same renormalisation
+    (w,) = warned("rollout.min_new_tokens=8", "actor.old_logprob=rollout")
+    assert w.startswith("rollout.min_new_tokens=8 with actor.old_logprob=rollout: vLLM's log-probs"), w
+    assert warned("rollout.min_new_tokens=8") == []
     assert cli_main(["config", TINY, "rollout.top_k=20", "actor.old_logprob=rollout"]) == 0
     err = capsys.readouterr().err
     assert "hpcrl config: warning: rollout.top_k=20 with actor.old_logprob=rollout" in err, err

@@ -14,12 +14,20 @@ import pytest
 from conftest import HPCRL, IN_CI, REPO, SMOLLM2, TINY_MODEL, run
 
 from hpcrl.config import load_config, validate
-from hpcrl.plan import RoleShapes, estimate, estimate_rollout_worker, read_model_shape
+from hpcrl.plan import (
+    RoleShapes,
+    estimate,
+    estimate_rollout_worker,
+    kept_activation_bytes,
+    read_model_shape,
+    role_layer_activations,
+)
 from hpcrl.plan.memory import (
     CPU_PROCESS_OVERHEAD_BYTES,
     CPU_TRAINER_PROCESS_OVERHEAD_BYTES,
     GIB,
     GPU_RUNTIME_RESERVE_BYTES,
+    stored_activation_elements_per_token,
 )
 from hpcrl.plan.shape import megatron_shard_params, shape_from_hf_config, vllm_shard_params
 
@@ -53,7 +61,7 @@ TINY_PARAMS = 65536 + 2 * TINY_LAYER_PARAMS + 128
 # is not built yet
 TINY_HF = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 128, "intermediate_size": 512,
            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
-           "tie_word_embeddings": True, "max_position_embeddings": 1024}
+           "tie_word_embeddings": True, "max_position_embeddings": 4096}
 
 
 def built(path) -> bool:
@@ -136,8 +144,9 @@ def test_tiny_cpu_terms_by_hand() -> None:
     assert "actor gradients (fp32 .grad)" not in phases["rollout"]  # dropped after each optimizer step
     # micro-batch: max(actor.micro_batch_tokens 2048, a full sequence 128 + 16) = 2048 tokens; one in
     # flight (PP=1); per token and layer 4h + (2 q_dim + 2 kv_dim) / tp + 4 I / tp (unfused gate on CPU)
+    # in fp32, and the attention kernel's softmax statistics, one fp32 per head of the TP shard
     per_token_layer = 4 * 128 + (2 * 128 + 2 * 64) // 2 + 4 * 512 // 2
-    assert update["activations kept for backward"] == 2048 * 2 * per_token_layer * 4 == 28_311_552
+    assert update["activations kept for backward"] == 2048 * 2 * (per_token_layer * 4 + 4 // 2 * 4) == 28_344_320
     assert update["working set of one layer"] == 2048 * (5 * 128 + 3 * 512 // 2) * 4
     # logits at (at most) every position of the micro-batch, over half the vocabulary: the fp32 output
     # and its fp32 / temperature copy
@@ -189,9 +198,10 @@ def test_gpu_terms_by_hand_70b_32_nodes() -> None:
         assert update[f"{role} Adam moments (2 x fp32)"] == 8 * stage0 // 4
     assert update["reference weights (bf16)"] == 2 * stage0
     # 1F1B: stage 0 of 8 keeps 8 micro-batches of 4096 tokens over its 10 layers; per token and layer
-    # 4h + (2 q_dim + 2 kv_dim) / 8 + 3 I / 8 elements (fused gate on GPU), 2 bytes each
+    # 4h + (2 q_dim + 2 kv_dim) / 8 + 3 I / 8 elements (fused gate on GPU), 2 bytes each, and the flash
+    # attention's softmax statistics, 64 / 8 heads x 4 bytes
     per_token_layer = 4 * 8192 + (2 * 8192 + 2 * 1024) // 8 + 3 * 28672 // 8
-    assert update["activations kept for backward"] == 8 * 10 * 4096 * per_token_layer * 2
+    assert update["activations kept for backward"] == 8 * 10 * 4096 * (per_token_layer * 2 + 64 // 8 * 4)
     assert update["CUDA context, NCCL, cuBLAS (assumed)"] == GPU_RUNTIME_RESERVE_BYTES
     # while generating the actor is in host memory (actor.offload: true)
     assert not any(k.startswith("actor ") for k in phases["rollout"])
@@ -392,6 +402,152 @@ def test_cli_70b_split_gpu_plan() -> None:
     # the largest conversion unit, Llama-3-70B's embedding in bf16: 128256 x 8192 x 2 bytes = 1.96 GiB
     assert re.search(r"transfer bucket: TP parts, HF copy, send buffer +5\.87 ", trainer_part), trainer_part
     # 72.87 GiB before the masters and moments were cut over DP=2: less 2 x (2.24 + 4.47) for actor and critic
-    assert "peak        update actor: 59.45 GiB" in trainer_part and "vLLM" not in trainer_part
+    assert "peak        update actor: 59.46 GiB" in trainer_part and "vLLM" not in trainer_part
     assert re.search(r"received bucket +- +1\.96\n", rollout_part), rollout_part
     assert "peak        rollout: 50.00 GiB" in rollout_part and "verdict     fits" in rollout_part
+
+
+# -- long sequences: context parallel, sequence parallel, activation recompute (issue 38) ----------
+QWEN_7B = REPO / "configs" / "models" / "qwen2.5-7b"  # folders holding a config.json only
+QWEN_32B = REPO / "configs" / "models" / "qwen2.5-32b"
+# 1024 prompt tokens + 31744 completion tokens = 32k-token samples, one per micro-batch, at TP=4
+LONG_7B = ("model.path=configs/models/qwen2.5-7b", "trainer.device=cuda", "model.dtype=bf16",
+           "data.max_prompt_length=1024", "rollout.max_new_tokens=31744", "actor.parallel.tensor_parallel=4",
+           "rollout.tensor_parallel=4", "actor.micro_batch_tokens=32768")
+# 16k-token samples at TP=8; the actor offloaded while vLLM generates (as every GPU run does today)
+LONG_32B = ("trainer.device=cuda", "model.dtype=bf16", "data.max_prompt_length=1024", "rollout.max_new_tokens=15360",
+            "actor.parallel.tensor_parallel=8", "rollout.tensor_parallel=8", "actor.micro_batch_tokens=16384",
+            "actor.offload=true")
+
+
+def test_qwen25_shapes_by_hand() -> None:
+    """The shipped config.json folders: one layer q 3584 x 3584, k and v 3584 x 512 each (4 KV heads of
+    128), o 3584 x 3584, the q/k/v biases, the MLP 3 x 3584 x 18944, two norms; untied embeddings."""
+    shape = read_model_shape(QWEN_7B)
+    layer = 2 * 3584 * 3584 + 2 * 3584 * 512 + (3584 + 2 * 512) + 3 * 3584 * 18944 + 2 * 3584
+    assert shape.layer_params() == layer
+    assert shape.total_params() == 2 * 152064 * 3584 + 28 * layer + 3584 == 7_615_616_512
+    assert (shape.max_position_embeddings, shape.qkv_bias, shape.tie_word_embeddings) == (32768, True, False)
+    big = read_model_shape(QWEN_32B)
+    layer = 2 * 5120 * 5120 + 2 * 5120 * 1024 + (5120 + 2 * 1024) + 3 * 5120 * 27648 + 2 * 5120
+    assert big.total_params() == 2 * 152064 * 5120 + 64 * layer + 5120 == 32_763_876_352
+
+
+def _long_7b(*overrides: str):
+    cfg = load_config(REPO / TINY, [*LONG_7B, "trainer.nnodes=2", "trainer.workers_per_node=8",
+                                    "slurm.gpus_per_node=8", *overrides])
+    validate(cfg)
+    return cfg
+
+
+def test_activation_terms_divide_by_cp_and_by_tp_in_the_norm_regions() -> None:
+    """Qwen2.5-7B, one 32k-token sample, TP=4, bf16 on GPU (flash attention, fused gate): each term
+    by hand; at CP=2 every term is half of CP=1's (a rank holds half of each sequence), and with
+    sequence parallel the norm regions and the layer input are split over TP while the rest is not."""
+    shape = read_model_shape(QWEN_7B)
+    h, q, kv, ffn = 3584, 3584, 512, 18944
+    one = role_layer_activations(_long_7b(), shape, gpu_mem_bytes=80 * GIB)
+    t = 32768
+    assert one.norm_region == t * 4 * h * 2  # replicated on the 4 TP ranks
+    assert one.attention == t * (2 * q + 2 * kv) // 4 * 2
+    assert one.mlp == t * 3 * ffn // 4 * 2
+    assert one.core_attention == t * 28 // 4 * 4  # flash attention's fp32 softmax statistics
+    assert one.layer_input == t * h * 2
+    assert one.norm_region + one.attention + one.mlp == t * stored_activation_elements_per_token(shape, 4, True) * 2
+    two = role_layer_activations(_long_7b("actor.parallel.context_parallel=2"), shape, gpu_mem_bytes=80 * GIB)
+    for term in ("norm_region", "attention", "mlp", "core_attention", "layer_input"):
+        assert 2 * getattr(two, term) == getattr(one, term), term
+    sp = role_layer_activations(_long_7b("actor.parallel.sequence_parallel=true"), shape, gpu_mem_bytes=80 * GIB)
+    assert 4 * sp.norm_region == one.norm_region and 4 * sp.layer_input == one.layer_input
+    assert (sp.attention, sp.mlp, sp.core_attention) == (one.attention, one.mlp, one.core_attention)
+    assert sp.total - sp.core_attention == t * stored_activation_elements_per_token(shape, 4, True, sp=True) * 2
+
+    # the plan's row is these terms over the 28 layers of the one micro-batch in flight (PP=1)
+    def kept(*overrides: str) -> int:
+        est = estimate(_long_7b(*overrides), RoleShapes(policy=shape), gpu_mem_bytes=80 * GIB)
+        return {p.name: p.terms for p in est.phases}["update actor"]["activations kept for backward"]
+
+    assert kept() == 28 * one.total
+    assert 2 * kept("actor.parallel.context_parallel=2") == kept()
+    assert kept("actor.parallel.sequence_parallel=true") == 28 * sp.total
+
+
+def test_recompute_keeps_less_selective_then_full() -> None:
+    """selective drops the attention kernel's own state (on flash kernels only its softmax statistics,
+    on the CPU's dense attention the [heads, T, T] probabilities); full keeps each layer's input and one
+    layer's whole activations (the layer the backward re-runs)."""
+    shape = read_model_shape(QWEN_7B)
+
+    def kept(*overrides: str) -> int:
+        est = estimate(_long_7b(*overrides), RoleShapes(policy=shape), gpu_mem_bytes=80 * GIB)
+        return {p.name: p.terms for p in est.phases}["update actor"]["activations kept for backward"]
+
+    acts = role_layer_activations(_long_7b(), shape, gpu_mem_bytes=80 * GIB)
+    none, selective, full = (kept(f"actor.recompute={m}") for m in ("none", "selective", "full"))
+    assert none - selective == 28 * acts.core_attention > 0
+    assert full == 28 * acts.layer_input + acts.total
+    assert full < selective < none
+    assert kept_activation_bytes(acts, 28, 1, "full") == full
+    # CPU, the tiny model's dense attention: selective drops the a / t x T^2 probabilities
+    cpu = load_config(REPO / TINY, ["model.local_attention=dense"])
+    dense = role_layer_activations(cpu, tiny_shape())
+    assert dense.core_attention == 4 // 2 * 2048 * 2048 * 4
+    assert dense.kept("selective") == dense.total - dense.core_attention < dense.kept("none")
+    # (over 2 layers, re-running one layer with its T^2 probabilities keeps more than selective does)
+    assert kept_activation_bytes(dense, 2, 1, "full") < kept_activation_bytes(dense, 2, 1, "none")
+
+
+def _suggested(out: str, first_key: str) -> list[str]:
+    """The overrides of the `what to change` line that starts with `first_key` (it must fit)."""
+    line = next(x for x in out.splitlines() if x.startswith(f"  - {first_key}="))
+    assert line.endswith(", fits"), line
+    return line[4:].split(": peak")[0].split()
+
+
+def test_cli_qwen7b_32k_fits_with_context_parallel_only(capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen2.5-7B at 32k-token samples on 2 nodes x 8 x 80 GB (model.path: a folder with config.json
+    only, path checks on): 83.8 GiB at CP=1, over; the plan names CP=2, with which it fits."""
+    from hpcrl.cli import main as cli_main
+
+    monkeypatch.chdir(REPO)  # the recipe's data files are relative to the repo root
+    argv = ["plan", TINY, *LONG_7B, "--nodes", "2", "--gpus-per-node", "8", "--gpu-mem", "80"]
+    assert cli_main(argv) == 3
+    out = capsys.readouterr().out
+    assert "actor       TP=4 PP=1 DP=4" in out and "qwen2.5-7b/config.json (model.path)" in out
+    assert "verdict     does not fit: update actor needs 83.8" in out
+    cp = _suggested(out, "actor.parallel.context_parallel")
+    assert cp == ["actor.parallel.context_parallel=2"], cp  # alone, the smallest
+    assert cli_main([*argv, *cp]) == 0
+    out = capsys.readouterr().out
+    assert "actor       TP=4 PP=1 CP=2 DP=2" in out and "verdict     fits" in out
+    assert "micro-batches of 32768 tokens (actor), 16384 on each rank (context parallel CP=2)" in out
+
+
+def test_cli_qwen32b_16k_fits_with_context_parallel_and_sequence_parallel(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Qwen2.5-32B at 16k-token samples on 4 nodes x 8 x 80 GB (--model-config: the folder): 103.6 GiB
+    at CP=1, over. CP=2 halves the activations a rank keeps, and the optimizer state stays cut over
+    the DP x CP replicas (as the engine cuts it): 70.0 GiB, fits; sequence parallel alone fits too."""
+    from hpcrl.cli import main as cli_main
+
+    argv = ["plan", TINY, *LONG_32B, "--skip-path-checks", "--model-config", str(QWEN_32B), "--nodes", "4",
+            "--gpus-per-node", "8", "--gpu-mem", "80"]
+    assert cli_main(argv) == 3
+    first = capsys.readouterr().out
+    assert "actor       TP=8 PP=1 DP=4" in first and "verdict     does not fit: update actor needs 103.6" in first
+    cp = _suggested(first, "actor.parallel.context_parallel")
+    assert cp == ["actor.parallel.context_parallel=2"], cp
+    assert _suggested(first, "actor.parallel.sequence_parallel") == ["actor.parallel.sequence_parallel=true"]
+    assert cli_main([*argv, *cp]) == 0
+    out = capsys.readouterr().out
+    assert "actor       TP=8 PP=1 CP=2 DP=2" in out and "verdict     fits" in out
+    assert "masters and moments cut over the actor's 2 DP x 2 CP ranks" in out, out
+    # the control: the optimizer state not cut (every replica holds all of it) does not fit at CP=2
+    assert cli_main([*argv, *cp, "actor.optim.shard_over_dp=false"]) == 3
+    capsys.readouterr()
+    # and full recompute alone is named as well, and printed with the plan
+    recompute = _suggested(first, "actor.recompute")
+    assert recompute == ["actor.recompute=full"]
+    assert cli_main([*argv, *recompute]) == 0
+    assert "full recompute (actor.recompute=full" in capsys.readouterr().out

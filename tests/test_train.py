@@ -447,3 +447,21 @@ def test_one_step_off_batches_come_from_the_previous_weights(one_step_off: tuple
     assert gaps[8].max() <= 1e-5, float(gaps[8].max())
     # ... and one optimizer step later the log-probs differ far above it (measured mean 0.23, max 0.64)
     assert gaps[9].mean() > 100 * max(float(gaps[8].mean()), 1e-7), (float(gaps[9].mean()), float(gaps[8].mean()))
+
+
+def test_long_sequence_config_runs_two_steps(tmp_path: Path) -> None:
+    """configs/grpo_long_tiny.yaml end to end: samples of 2048+ tokens (prompt + forced-length
+    response) trained at context parallel 2 x tensor parallel 2 with sequence parallel, 2 steps."""
+    d = tmp_path / "run"
+    r = run([HPCRL, "run", "configs/grpo_long_tiny.yaml", f"trainer.run_dir={d}", "trainer.total_steps=2"],
+            timeout=900)
+    assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}"
+    steps = read_jsonl(d / "metrics.jsonl")
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        # every response runs to max_new_tokens (rollout.min_new_tokens), so every sample is 2048+ tokens
+        assert m["response_length/clip_ratio"] == 1.0, m
+        assert m["prompt_length/mean"] + m["response_length/mean"] >= 2048, m
+        assert m["actor/optimizer_steps"] >= 1 and m["actor/grad_norm"] > 0, m
+    log = (d / "logs" / "controller.log").read_text()
+    assert "actor TP=2 PP=1 CP=2 DP=1 SP" in log, log[-3000:]

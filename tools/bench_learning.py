@@ -630,9 +630,10 @@ def main() -> None:
     p.add_argument("--minibatch-by", choices=("sample", "prompt"), default="sample",
                    help="hpcrl's actor.minibatch_by: sample (default: TRL's cut) or prompt (hpcrl's default: each "
                         "prompt's samples in one mini-batch; faster, and no different in learning over 12 seeds)")
-    p.add_argument("--old-logprob", choices=("rollout", "recompute"), default="rollout",
+    p.add_argument("--old-logprob", choices=("rollout", "recompute"), nargs="+", default=["rollout"],
                    help="hpcrl's actor.old_logprob: rollout (vLLM's log-probs, the demo's) or recompute (a forward "
-                        "of the actor, as TRL does)")
+                        "of the actor, as TRL does); both (`--old-logprob rollout recompute`) run one hpcrl side "
+                        "per mode in every round, their order alternating, and report a ratio per mode")
     p.add_argument("--trl-threads", type=int, default=0, help="TRL torch threads (default: = --workers)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--seeds", type=int, nargs="+", metavar="SEED",
@@ -673,39 +674,57 @@ def main() -> None:
         # Alternating rounds (hpcrl, TRL, hpcrl, TRL, ...): a host's speed drifts over minutes (steal
         # time, other tenants), so one half of each cannot tell a change from the weather. Every
         # round is printed with its load and steal time; the median ratio is the result.
-        ratios, rounds = [], []
+        modes = list(dict.fromkeys(args.old_logprob))
+        rounds: dict[str, list[dict]] = {m: [] for m in modes}
         prepared_seed = None
         for k, seed in enumerate(seeds):
             args.seed = seed
             if seed != prepared_seed:  # the seed orders the prompts
+                args.old_logprob = modes[0]
                 prepared = _prepare(args, _overrides(args, os.path.join(tmp, "hpcrl")))
                 prepared_seed = seed
                 print(f"[bench] seed {seed}: {args.steps} steps x {args.prompts} prompts, "
                       f"{len(prepared['val'])} validation prompts; files in {tmp}", flush=True)
             rtmp = os.path.join(tmp, f"round{k + 1}")
             os.makedirs(rtmp, exist_ok=True)
-            steal0 = steal_seconds()
-            h = _run_hpcrl(args, rtmp, _overrides(args, os.path.join(rtmp, "hpcrl")), env)
-            shutil.rmtree(os.path.join(rtmp, "hpcrl", "checkpoints"), ignore_errors=True)  # ~2 GB of weights
+            # with several modes each round runs them in turn, the order reversed every other round, then TRL
+            order = modes if k % 2 == 0 else modes[::-1]
+            sides, steals = {}, {}
+            for mode in order:
+                args.old_logprob = mode
+                mtmp = rtmp if len(modes) == 1 else os.path.join(rtmp, f"old-{mode}")
+                os.makedirs(mtmp, exist_ok=True)
+                steal0 = steal_seconds()
+                sides[mode] = _run_hpcrl(args, mtmp, _overrides(args, os.path.join(mtmp, "hpcrl")), env)
+                shutil.rmtree(os.path.join(mtmp, "hpcrl", "checkpoints"), ignore_errors=True)  # ~2 GB of weights
+                steals[mode] = steal_seconds() - steal0
             steal1 = steal_seconds()
             r = _run_trl(args, rtmp, prepared, env)
-            steal2 = steal_seconds()
-            th, tt = _throughput(h["steps"], True), _throughput(r["steps"], True)
-            ratios.append(th / tt)
-            rounds.append({"seed": seed, "hpcrl": h, "trl": r, "ratio": th / tt})
-            lh, lr = _learning(h), _learning(r)
-            print(f"[bench] round {k + 1}/{len(seeds)} (seed {seed}): tokens/s (without step 1) hpcrl {th:.1f}, "
-                  f"TRL {tt:.1f}, ratio {th / tt:.2f}x; training reward {_tail_label(h)} hpcrl "
-                  f"{lh['train_reward']:.3f} / TRL {lr['train_reward']:.3f}; validation reward after hpcrl "
-                  f"{lh['val_reward_after']:.3f} / TRL {lr['val_reward_after']:.3f}; load hpcrl "
-                  f"{h['load']['mean']:.2f} / TRL {r['load']['mean']:.2f}; steal hpcrl {steal1 - steal0:.1f} s / "
-                  f"TRL {steal2 - steal1:.1f} s", flush=True)
-            if k == 0:
-                _report(args, h, r, (load0, os.getloadavg()[0]))
-        print(f"\n[bench] tokens/s ratio hpcrl / TRL (without step 1) per round: "
-              f"{', '.join(f'{x:.2f}' for x in ratios)}; median {statistics.median(ratios):.2f}x "
-              f"(goal >= 1.5x: {'met' if statistics.median(ratios) >= 1.5 else 'NOT met'})")
-        _summary(rounds)
+            steal_trl = steal_seconds() - steal1
+            tt = _throughput(r["steps"], True)
+            lr = _learning(r)
+            for mode in modes:
+                h = sides[mode]
+                th = _throughput(h["steps"], True)
+                rounds[mode].append({"seed": seed, "hpcrl": h, "trl": r, "ratio": th / tt})
+                lh = _learning(h)
+                print(f"[bench] round {k + 1}/{len(seeds)} (seed {seed}, hpcrl old_logprob={mode}): tokens/s "
+                      f"(without step 1) hpcrl {th:.1f}, TRL {tt:.1f}, ratio {th / tt:.2f}x; training reward "
+                      f"{_tail_label(h)} hpcrl {lh['train_reward']:.3f} / TRL {lr['train_reward']:.3f}; validation "
+                      f"reward after hpcrl {lh['val_reward_after']:.3f} / TRL {lr['val_reward_after']:.3f}; load "
+                      f"hpcrl {h['load']['mean']:.2f} / TRL {r['load']['mean']:.2f}; steal hpcrl "
+                      f"{steals[mode]:.1f} s / TRL {steal_trl:.1f} s", flush=True)
+                if k == 0:
+                    _report(args, h, r, (load0, os.getloadavg()[0]))
+        for mode in modes:
+            ratios = [rd["ratio"] for rd in rounds[mode]]
+            print(f"\n[bench] tokens/s ratio hpcrl (old_logprob={mode}) / TRL (without step 1) per round: "
+                  f"{', '.join(f'{x:.2f}' for x in ratios)}; median {statistics.median(ratios):.2f}x "
+                  f"(goal >= 1.5x: {'met' if statistics.median(ratios) >= 1.5 else 'NOT met'})")
+        for mode in modes:
+            if len(modes) > 1:
+                print(f"\n### hpcrl with actor.old_logprob={mode}")
+            _summary(rounds[mode])
     finally:
         if not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 STAMP = ".hpcrl-build.json"
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2  # 2: max_position_embeddings 4096 (long-sequence tests)
 
 
 def corpus(n: int = 20000) -> list[str]:
@@ -58,7 +58,7 @@ def build(out: Path, hidden: int) -> None:
 
     cfg = Qwen2Config(vocab_size=len(hf_tok), hidden_size=hidden, intermediate_size=hidden * 4,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=1024, tie_word_embeddings=True, rms_norm_eps=1e-6,
+                      max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=1e-6,
                       eos_token_id=hf_tok.eos_token_id, bos_token_id=hf_tok.pad_token_id,
                       pad_token_id=hf_tok.pad_token_id, torch_dtype="float32")
     model = Qwen2ForCausalLM(cfg).to(torch.float32)

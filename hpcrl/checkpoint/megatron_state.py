@@ -144,7 +144,8 @@ def engine_state(engine: Any, role: str, model_path: str, copy: bool,
     meta = {
         "format": SHARD_FORMAT,
         "role": role,
-        "layout": {"tp": engine.tp_size, "pp": engine.pp_size, "dp": engine.dp_size, "tp_rank": engine.tp_rank,
+        "layout": {"tp": engine.tp_size, "pp": engine.pp_size, "dp": engine.dp_size, "cp": engine.cp_size,
+                   "tp_rank": engine.tp_rank,
                    "pp_rank": engine.pp_rank},
         "spec": engine.spec,
         "dtype": _dtype_name(engine.options.dtype),
@@ -572,8 +573,8 @@ def load_engine(engine: Any, ckpt_dir: str | Path, role: str, rank: int, world_s
         reseed_rng(_config_seed(root) if seed is None else seed, engine.step_count, rank)
     lay = saved.meta0["layout"]
     return {"role": role, "step_count": engine.step_count, "converted": not exact, "rng": rng,
-            "saved_layout": {"tp": lay["tp"], "pp": lay["pp"], "dp": lay["dp"]},
-            "layout": {"tp": engine.tp_size, "pp": engine.pp_size, "dp": engine.dp_size},
+            "saved_layout": {"tp": lay["tp"], "pp": lay["pp"], "dp": lay["dp"], "cp": lay.get("cp", 1)},
+            "layout": {"tp": engine.tp_size, "pp": engine.pp_size, "dp": engine.dp_size, "cp": engine.cp_size},
             "seconds": round(time.monotonic() - t0, 3)}
 
 
@@ -602,9 +603,9 @@ class RoleCheckpointer:
         return 0, 1
 
     def nbytes(self) -> int:
-        """~Bytes this rank's next save will write: its shard (DP replica 0) and its RNG file."""
+        """~Bytes this rank's next save will write: its shard (DP x CP replica 0) and its RNG file."""
         rank, world = self._rank()
-        shard = engine_nbytes(self.engine) if self.engine.dp_rank == 0 else 0
+        shard = engine_nbytes(self.engine) if self.engine.replica_rank == 0 else 0
         return shard + len(rng_blob(rank, world, capture_rng())) + FILE_SLACK
 
     def save(self, ckpt_dir: str, async_save: bool = False) -> list[FileRecord]:
@@ -615,7 +616,7 @@ class RoleCheckpointer:
         # every DP rank takes part when the optimizer state is sharded: the writer gathers it
         others = self.engine.gather_optimizer_state()
         shard = engine_state(self.engine, self.role, self.model_path, copy=async_save, others=others) \
-            if self.engine.dp_rank == 0 else None
+            if self.engine.replica_rank == 0 else None
         key = str(Path(ckpt_dir).resolve())
         rng = None
         if key not in _rng_written:

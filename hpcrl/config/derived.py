@@ -12,14 +12,38 @@ from omegaconf import DictConfig
 
 @dataclass(frozen=True)
 class Layout:
-    """Parallel layout of one role over the worker ranks."""
+    """Parallel layout of one role over the worker ranks: TP x PP x CP x DP of them, with sequence
+    parallel on or off (cp and sp last, with defaults, so that `Layout(tp, pp, dp)` still reads as it
+    did before context parallel)."""
 
     tp: int
     pp: int
     dp: int
+    cp: int = 1
+    sp: bool = False
 
     def __str__(self) -> str:
-        return f"TP={self.tp} PP={self.pp} DP={self.dp}"
+        # CP and SP only when used: the layouts most runs print stay as they were
+        cp = f" CP={self.cp}" if self.cp > 1 else ""
+        return f"TP={self.tp} PP={self.pp}{cp} DP={self.dp}" + (" SP" if self.sp else "")
+
+    @property
+    def token_multiple(self) -> int:
+        """What a packed row's length (and a packing budget) is a multiple of: `token_multiple`."""
+        return token_multiple(self.tp, self.cp, self.sp)
+
+
+def token_multiple(tp: int, cp: int, sp: bool) -> int:
+    """What the engine pads a packed row's length to a multiple of (hpcrl.engines.megatron.forward):
+    with CP every sequence is cut into 2 x CP equal chunks, and with SP each rank's part of the row is
+    cut again over the TP ranks; 1 without either."""
+    return (2 * cp if cp > 1 else 1) * (tp if sp else 1)
+
+
+def cp_padded_length(length: int, cp: int) -> int:
+    """The places a sequence of `length` tokens takes in a context-parallel row: rounded up to a
+    multiple of 2 x CP, its 2 x CP equal chunks (hpcrl.engines.megatron.context_parallel)."""
+    return length if cp <= 1 else -(-length // (2 * cp)) * (2 * cp)
 
 
 def world_size(cfg: DictConfig) -> int:
@@ -80,16 +104,24 @@ def kl_loss_active(cfg: Any) -> bool:
     return bool(actor["use_kl_loss"]) and float(actor["kl_loss_coef"]) != 0.0
 
 
+def role_parallel(cfg: DictConfig, role: str) -> Any:
+    """The `parallel` section a Megatron role runs with: its own, or the actor's when it is null."""
+    if role == "actor":
+        return cfg.actor.parallel
+    return cfg[role].parallel or cfg.actor.parallel
+
+
 def role_layouts(cfg: DictConfig) -> dict[str, Layout]:
-    """Training layouts of the enabled Megatron roles (assumes a validated config)."""
+    """Training layouts of the enabled Megatron roles (assumes a validated config): DP is what
+    TP x PP x CP leave of the trainer's workers."""
     w = trainer_world_size(cfg)
-    par = {"actor": cfg.actor.parallel}
-    if critic_enabled(cfg):
-        par["critic"] = cfg.critic.parallel or cfg.actor.parallel
-    if reference_enabled(cfg):
-        par["reference"] = cfg.reference.parallel or cfg.actor.parallel
-    return {role: Layout(p.tensor_parallel, p.pipeline_parallel, w // (p.tensor_parallel * p.pipeline_parallel))
-            for role, p in par.items()}
+    roles = ["actor"] + (["critic"] if critic_enabled(cfg) else []) + (["reference"] if reference_enabled(cfg) else [])
+    out = {}
+    for role in roles:
+        p = role_parallel(cfg, role)
+        tp, pp, cp = p.tensor_parallel, p.pipeline_parallel, p.context_parallel
+        out[role] = Layout(tp, pp, w // (tp * pp * cp), cp, bool(p.sequence_parallel))
+    return out
 
 
 def rollout_layout(cfg: DictConfig) -> Layout:

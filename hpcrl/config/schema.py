@@ -30,11 +30,20 @@ class ModelConfig:
 
 @dataclass
 class ParallelConfig:
-    """Training layout of one Megatron role. DP is what is left: workers / (TP * PP)."""
+    """Training layout of one Megatron role. DP is what is left: workers / (TP * PP * CP)."""
 
     tensor_parallel: int = 1  # TP: each layer's weights split over this many ranks
     pipeline_parallel: int = 1  # PP: the layers split into this many stages
-    # Optional: when set it must equal workers / (TP * PP); a cross-check for cluster recipes.
+    # CP: each sequence split over this many ranks, in 2 x CP equal chunks (rank r keeps chunks r and
+    # 2 x CP - 1 - r, so that every rank gets an early and a late chunk of causal attention's work);
+    # the attention gathers keys and values over the CP ranks, every other layer works on the rank's
+    # tokens alone, so activations per rank shrink by CP. Sequences are padded to a multiple of 2 x CP.
+    context_parallel: int = 1
+    # SP (Megatron's sequence parallel, needs TP > 1): the norm and dropout regions between the TP
+    # layers are split over the sequence across the TP ranks (all-gather before, reduce-scatter after
+    # each TP layer instead of an all-reduce), so their activations shrink by TP. Same results.
+    sequence_parallel: bool = False
+    # Optional: when set it must equal workers / (TP * PP * CP); a cross-check for cluster recipes.
     data_parallel: int | None = None
 
 
@@ -100,7 +109,9 @@ class ActorConfig:
     # separate forward the rollout-vs-actor gap is measured in the update's first forward (the
     # first mini-batch's response tokens, before any optimizer step).
     old_logprob: str = "auto"
-    # Token budget of one packed micro-batch (sequence packing, no padding).
+    # Token budget of one packed micro-batch (sequence packing, no padding). With context parallel
+    # each sequence is padded to a multiple of 2 x CP and a row to a multiple of 2 x CP (x TP with
+    # sequence parallel): the budget must be a multiple of that too.
     micro_batch_tokens: int = 4096
     # false: the padded baseline, micro_batch_size whole sequences per micro-batch
     packing: bool = True
@@ -124,6 +135,13 @@ class ActorConfig:
     kl_loss_type: str = "k3"  # the KL estimator of that term (Schulman's k1 | k2 | k3)
     # GPU only: move params/grads/optimizer state to host memory while vLLM generates.
     offload: bool = False
+    # Activation recompute in the update's backward (Megatron's recompute settings), trading compute
+    # for memory: none (keep every activation the backward needs) | selective (recompute the core
+    # attention, softmax(QK^T)V, from q, k and v: drops what the attention kernel keeps besides them,
+    # the [heads, T, T] probabilities of dense attention, the softmax statistics of flash attention) |
+    # full (keep only each layer's input and recompute the whole layer in the backward, one layer per
+    # checkpoint: recompute_granularity=full, method uniform; about one more forward per update).
+    recompute: str = "none"
     lora: LoraConfig = field(default_factory=LoraConfig)
 
 
@@ -143,6 +161,7 @@ class CriticConfig:
     micro_batch_tokens: int = 4096  # as actor.micro_batch_tokens
     packing: bool = True  # as actor.packing
     micro_batch_size: int = 4  # as actor.micro_batch_size
+    recompute: str = "none"  # as actor.recompute
     # New values stay within this distance of the old ones in the clipped value loss (PPO2).
     cliprange_value: float = 0.5
 
@@ -200,6 +219,10 @@ class RolloutConfig:
     top_p: float = 1.0  # nucleus sampling: the smallest set of tokens with this much probability
     top_k: int = -1  # sample among the k likeliest tokens (-1: all)
     max_new_tokens: int = 256  # longest response, in tokens
+    # Shortest response, in tokens: the model's EOS and the stop strings do not end a response before
+    # it (vLLM's min_tokens); 0: none. For runs that need samples of a known length from a model that
+    # would stop early (configs/grpo_long_tiny.yaml); at most max_new_tokens.
+    min_new_tokens: int = 0
     stop: list[str] = field(default_factory=list)  # strings that end a response
     # Device memory for weights + KV cache on GPU; KV-cache GiB per worker on CPU (fractions allowed;
     # null: sized to hold a step's samples, or a validation batch, of one replica at full length).

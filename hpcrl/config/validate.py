@@ -18,8 +18,10 @@ from hpcrl.config.derived import (
     is_split,
     kl_loss_active,
     reference_enabled,
+    role_parallel,
     rollout_world_size,
     staleness_depth,
+    token_multiple,
     trainer_world_size,
     world_size,
 )
@@ -48,14 +50,21 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "checkpoint.on_save_error": ("stop", "continue"),
     "trainer.placement": ("colocated", "split"),
     "algorithm.rollout_correction": ("none", "tis"),
+    "actor.recompute": ("none", "selective", "full"),
+    "critic.recompute": ("none", "selective", "full"),
 }
 
 # key -> (lowest allowed, highest allowed, inclusive low); None = unbounded
 RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     "actor.parallel.tensor_parallel": (1, None, True),
     "actor.parallel.pipeline_parallel": (1, None, True),
+    "actor.parallel.context_parallel": (1, None, True),
     "critic.parallel.tensor_parallel": (1, None, True),
     "critic.parallel.pipeline_parallel": (1, None, True),
+    "critic.parallel.context_parallel": (1, None, True),
+    "reference.parallel.tensor_parallel": (1, None, True),
+    "reference.parallel.pipeline_parallel": (1, None, True),
+    "reference.parallel.context_parallel": (1, None, True),
     "rollout.tensor_parallel": (1, None, True),
     "actor.lora.rank": (0, None, True),
     "actor.lora.alpha": (0, None, False),
@@ -65,6 +74,7 @@ RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     "rollout.temperature": (0, None, False),
     "rollout.top_p": (0, 1, False),
     "rollout.max_new_tokens": (1, None, True),
+    "rollout.min_new_tokens": (0, None, True),
     "rollout.gpu_memory_utilization": (0, 1, False),
     "rollout.cpu_kv_cache_gib": (0, None, False),
     "rollout.weight_bucket_mb": (1, None, True),
@@ -182,6 +192,10 @@ def _check_choices_and_ranges(cfg: DictConfig, problems: list[str]) -> None:
     top_k = cfg.rollout.top_k
     if top_k != -1 and top_k < 1:
         problems.append(f"rollout.top_k={top_k}: must be -1 (off) or >= 1.")
+    r = cfg.rollout
+    if r.min_new_tokens > r.max_new_tokens >= 1:
+        problems.append(f"rollout.min_new_tokens={r.min_new_tokens}: must be <= rollout.max_new_tokens="
+                        f"{r.max_new_tokens} (a response cannot be longer than the longest).")
     if not _SLURM_TIME.match(str(cfg.slurm.time)):
         problems.append(f"slurm.time={cfg.slurm.time!r}: not a Slurm time. Use MM, HH:MM:SS or D-HH:MM:SS.")
     if cfg.reward.function != "builtin" and not ENTRY_POINT.match(cfg.reward.function):
@@ -217,19 +231,34 @@ def _check_layout(cfg: DictConfig, problems: list[str]) -> None:
     if reference_enabled(cfg) and cfg.reference.parallel is not None:
         roles["reference"] = cfg.reference.parallel
     for role, p in roles.items():
-        tp, pp = p.tensor_parallel, p.pipeline_parallel
-        if tp < 1 or pp < 1:
+        tp, pp, cp = p.tensor_parallel, p.pipeline_parallel, p.context_parallel
+        if tp < 1 or pp < 1 or cp < 1:
             continue  # reported by the range check
+        if p.sequence_parallel and tp == 1:
+            problems.append(
+                f"{role}.parallel.sequence_parallel=true: needs {role}.parallel.tensor_parallel > 1 (sequence "
+                "parallel splits the norm regions over the TP ranks; with one TP rank there is nothing to split). "
+                f"Set {role}.parallel.tensor_parallel >= 2 or sequence_parallel=false.")
         if w % (tp * pp):
             problems.append(
                 f"{role}.parallel.tensor_parallel={tp}, {role}.parallel.pipeline_parallel={pp}: "
                 f"TP x PP = {tp * pp} does not divide {where}; world size {w} needs TP x PP in "
                 f"{{{_divisors(w)}}}.")
-        elif p.data_parallel is not None and p.data_parallel * tp * pp != w:
+        elif w % (tp * pp * cp):
+            # the world is TP x PP x CP x DP; name the CPs that this TP x PP leaves room for
             problems.append(
-                f"{role}.parallel.data_parallel={p.data_parallel}: TP x PP x DP = {tp}x{pp}x{p.data_parallel} "
-                f"= {tp * pp * p.data_parallel}, but world size is {w} ({where}). "
-                f"Use {w // (tp * pp)} or leave it null.")
+                f"{role}.parallel.context_parallel={cp}: with {role}.parallel.tensor_parallel={tp} and "
+                f"{role}.parallel.pipeline_parallel={pp}, TP x PP x CP = {tp * pp * cp} does not divide {where}; "
+                f"world size {w} needs TP x PP x CP in {{{_divisors(w)}}}: context_parallel in "
+                f"{{{_divisors(w // (tp * pp))}}}.")
+        elif p.data_parallel is not None and p.data_parallel * tp * pp * cp != w:
+            sizes, names = (f"{tp}x{pp}x{cp}x{p.data_parallel}", "TP x PP x CP x DP") if cp > 1 else \
+                (f"{tp}x{pp}x{p.data_parallel}", "TP x PP x DP")
+            problems.append(
+                f"{role}.parallel.data_parallel={p.data_parallel}: {names} = {sizes} "
+                f"= {tp * pp * cp * p.data_parallel}, but world size is {w} ({where}). "
+                f"Use {w // (tp * pp * cp)} or leave it null.")
+    _check_long_sequences(cfg, problems)
     rtp, rw = cfg.rollout.tensor_parallel, rollout_world_size(cfg)
     if rtp >= 1 and rw % rtp:
         on = f"the {rw} rollout workers (trainer.rollout_workers)" if is_split(cfg) else where
@@ -238,12 +267,21 @@ def _check_layout(cfg: DictConfig, problems: list[str]) -> None:
                         f"a rollout TP in {{{_divisors(rw)}}}.")
     # megatron's process groups are per process, and the roles are colocated on the same ranks
     shared = {"critic": cfg.critic.parallel if critic_enabled(cfg) else None, "reference": cfg.reference.parallel}
+    # (sequence parallel may differ: it changes how a role's own layers communicate, not the groups)
     a = cfg.actor.parallel
+
+    def shown(q: Any, with_cp: bool) -> str:
+        return f"TP={q.tensor_parallel} PP={q.pipeline_parallel}" + (f" CP={q.context_parallel}" if with_cp else "")
+
     for role, p in shared.items():
-        if p is not None and (p.tensor_parallel, p.pipeline_parallel) != (a.tensor_parallel, a.pipeline_parallel):
-            problems.append(f"{role}.parallel: TP={p.tensor_parallel} PP={p.pipeline_parallel} differs from "
-                            f"actor.parallel (TP={a.tensor_parallel} PP={a.pipeline_parallel}); colocated Megatron "
-                            "roles share one layout. Set both alike (or leave reference.parallel null).")
+        if p is None:
+            continue
+        mine, actor = ((q.tensor_parallel, q.pipeline_parallel, q.context_parallel) for q in (p, a))
+        if mine != actor:
+            with_cp = p.context_parallel != 1 or a.context_parallel != 1
+            problems.append(f"{role}.parallel: {shown(p, with_cp)} differs from actor.parallel ({shown(a, with_cp)}); "
+                            "colocated Megatron roles share one layout. Set both alike (or leave "
+                            f"{role}.parallel null).")
     if is_dpo(cfg):
         _check_dpo(cfg, problems)
         return
@@ -260,11 +298,53 @@ def _check_layout(cfg: DictConfig, problems: list[str]) -> None:
         if mb >= 1 and samples % mb:
             problems.append(f"{role}.ppo_mini_batch_size={mb}: must divide the {samples} samples of a step "
                             f"(data.train_batch_size={cfg.data.train_batch_size} x rollout.n={cfg.rollout.n}).")
-    tp_pp = cfg.actor.parallel.tensor_parallel * cfg.actor.parallel.pipeline_parallel
+    model_parallel = _model_parallel_size(cfg.actor.parallel)
     mb = cfg.actor.ppo_mini_batch_size
-    if tp_pp >= 1 and w % tp_pp == 0 and mb >= 1 and mb % (w // tp_pp):
+    if model_parallel >= 1 and w % model_parallel == 0 and mb >= 1 and mb % (w // model_parallel):
         problems.append(f"actor.ppo_mini_batch_size={mb}: must be a multiple of the actor's data-parallel "
-                        f"size {w // tp_pp}, so every DP rank gets the same number of samples.")
+                        f"size {w // model_parallel}, so every DP rank gets the same number of samples.")
+
+
+def _model_parallel_size(p: Any) -> int:
+    """TP x PP x CP of a `parallel` section: the ranks one data-parallel replica spans (0 when a
+    size is out of range, which the range check reports)."""
+    sizes = (p.tensor_parallel, p.pipeline_parallel, p.context_parallel)
+    return 0 if min(sizes) < 1 else math.prod(sizes)
+
+
+def _check_long_sequences(cfg: DictConfig, problems: list[str]) -> None:
+    """Context and sequence parallel against the keys they constrain: the attention they need, the
+    packing budget they cut, the LoRA layers they cannot feed."""
+    roles = ["actor"] + (["critic"] if critic_enabled(cfg) else [])
+    for role in roles:
+        p = role_parallel(cfg, role)
+        if min(p.tensor_parallel, p.context_parallel) < 1:
+            continue  # reported by the range check
+        where = f"{role}.parallel" if role == "actor" or cfg[role].parallel is not None else "actor.parallel"
+        section = cfg[role]
+        multiple = token_multiple(p.tensor_parallel, p.context_parallel, bool(p.sequence_parallel))
+        budget = section.micro_batch_tokens
+        # the engine pads every packed row up to the multiple: a budget off it would be overrun
+        if section.packing and multiple > 1 and budget >= 1 and budget % multiple:
+            why = [f"{where}.context_parallel={p.context_parallel}: 2 x CP chunks a sequence"] \
+                if p.context_parallel > 1 else []
+            if p.sequence_parallel:
+                why.append(f"{where}.sequence_parallel=true: each rank's part is cut over "
+                           f"{where}.tensor_parallel={p.tensor_parallel}")
+            below, above = budget // multiple * multiple, -(-budget // multiple) * multiple
+            nearest = f"{below} or {above}" if below else f"{above}"
+            problems.append(f"{role}.micro_batch_tokens={budget}: must be a multiple of {multiple} ({'; '.join(why)}), "
+                            f"the length every packed row is padded to a multiple of. Use {nearest}.")
+    a = cfg.actor.parallel
+    if a.context_parallel > 1 and cfg.model.local_attention == "dense":
+        problems.append(f"model.local_attention=dense: not with actor.parallel.context_parallel={a.context_parallel}; "
+                        "the dense attention's block mask covers whole packed rows, and a CP rank holds only chunks "
+                        "of each sequence. Use model.local_attention=per_sequence (or context_parallel=1).")
+    if a.sequence_parallel and cfg.actor.lora.rank:
+        # the engine refuses it when it builds the model (hpcrl.engines.megatron.engine), after start-up
+        problems.append("actor.parallel.sequence_parallel=true: not with LoRA (actor.lora.rank="
+                        f"{cfg.actor.lora.rank}); the adapters' layers do not take sequence-parallel input. Set "
+                        "actor.parallel.sequence_parallel=false for LoRA runs.")
 
 
 def _check_placement(cfg: DictConfig, problems: list[str]) -> bool:
@@ -340,13 +420,16 @@ def config_warnings(cfg: DictConfig) -> list[str]:
         cut.append(f"rollout.top_p={r.top_p}")
     if r.top_k > 0:
         cut.append(f"rollout.top_k={r.top_k}")
+    if r.min_new_tokens > 0:  # vLLM masks the end-of-sequence token(s) until then: measured 1.7e-3 nats a
+        cut.append(f"rollout.min_new_tokens={r.min_new_tokens}")  # token on the tiny model (p(EOS) ~ 1/512)
     uses = [k for k, on in (("actor.old_logprob=rollout", a.old_logprob == "rollout"),
                             ("algorithm.rollout_correction=tis", cfg.algorithm.rollout_correction == "tis")) if on]
     if cut and uses:
         out.append(f"{' and '.join(cut)} with {' and '.join(uses)}: vLLM's log-probs are renormalised over the "
                    "tokens the cut keeps, the trainer's are over the whole vocabulary, so the ratio between them "
                    "is biased (above 1 on every kept token). Sample without the cut (rollout.top_p=1, "
-                   "rollout.top_k=-1), or use actor.old_logprob=recompute without algorithm.rollout_correction.")
+                   "rollout.top_k=-1, rollout.min_new_tokens=0), or use actor.old_logprob=recompute without "
+                   "algorithm.rollout_correction.")
     return out
 
 
@@ -359,6 +442,10 @@ def _check_rollout_correction(cfg: DictConfig, problems: list[str]) -> None:
 def _check_dpo(cfg: DictConfig, problems: list[str]) -> None:
     """What DPO needs of a config beyond ranges (the RL loop's batch arithmetic does not apply)."""
     d = cfg.algorithm.dpo
+    if cfg.actor.parallel.context_parallel > 1:
+        problems.append(f"actor.parallel.context_parallel={cfg.actor.parallel.context_parallel}: not with "
+                        "algorithm.name=dpo; DPO's loss needs each response's whole log-prob sum on one rank, and "
+                        "context parallel splits every sequence over its ranks. Use context_parallel=1.")
     if d.label_smoothing == 0.5:
         problems.append("algorithm.dpo.label_smoothing=0.5: must be < 0.5; at 0.5 both orders of a pair weigh the "
                         "same and the loss only pulls the margin to 0.")
@@ -371,11 +458,11 @@ def _check_dpo(cfg: DictConfig, problems: list[str]) -> None:
     if cfg.critic.enable:
         problems.append("critic.enable=true: algorithm.name=dpo has no critic. Leave critic.enable null.")
     w = world_size(cfg)
-    tp_pp = cfg.actor.parallel.tensor_parallel * cfg.actor.parallel.pipeline_parallel
+    model_parallel = _model_parallel_size(cfg.actor.parallel)
     b = cfg.data.train_batch_size
-    if tp_pp >= 1 and w % tp_pp == 0 and b >= 1 and b % (w // tp_pp):
+    if model_parallel >= 1 and w % model_parallel == 0 and b >= 1 and b % (w // model_parallel):
         problems.append(f"data.train_batch_size={b}: must be a multiple of the actor's data-parallel size "
-                        f"{w // tp_pp}: DPO gives every DP rank whole pairs, the same number each.")
+                        f"{w // model_parallel}: DPO gives every DP rank whole pairs, the same number each.")
 
 
 def _check_multi_turn(cfg: DictConfig, problems: list[str]) -> None:

@@ -138,8 +138,9 @@ def plan_buckets(engine: MegatronEngine, bucket_bytes: int) -> list[_Bucket]:
 
 
 def _owner(engine: MegatronEngine, tp: int, dp: int, pp: int) -> int:
-    """World rank of (tp, dp, pp) in megatron's order (TP fastest, then DP, then PP)."""
-    return tp + engine.tp_size * (dp + engine.dp_size * pp)
+    """World rank of (tp, replica, pp) in megatron's order (TP fastest, then CP, DP, PP): `dp` counts
+    the DP x CP replicas of a stage (CP ranks hold the same weights as their DP rank's)."""
+    return tp + engine.tp_size * (dp + engine.replicas * pp)
 
 
 _GROUPS: dict[tuple[int, int, int], dict[tuple[int, int, int], Any]] = {}
@@ -149,15 +150,15 @@ def _receiver_groups(engine: MegatronEngine) -> dict[tuple[int, int, int], Any]:
     """For each owner (tp, dp, pp): a process group of the owner and every rank that lacks its part.
     The other replicas of that part hold it already, so they stay out of the broadcast (each rank
     then receives exactly what it lacks). Built once per layout; collective on first use."""
-    key = (engine.tp_size, engine.pp_size, engine.dp_size)
+    key = (engine.tp_size, engine.pp_size, engine.replicas)
     if key not in _GROUPS:
         groups: dict[tuple[int, int, int], Any] = {}
         world = dist.get_world_size()
         for pp in range(engine.pp_size):
-            for dp in range(engine.dp_size):
+            for dp in range(engine.replicas):
                 for tp in range(engine.tp_size):
                     owner = _owner(engine, tp, dp, pp)
-                    twins = {_owner(engine, tp, d, pp) for d in range(engine.dp_size)} - {owner}
+                    twins = {_owner(engine, tp, d, pp) for d in range(engine.replicas)} - {owner}
                     ranks = [r for r in range(world) if r not in twins]
                     # every rank takes part in creating every group (torch.distributed's rule)
                     groups[(tp, dp, pp)] = dist.new_group(ranks) if twins else dist.group.WORLD
@@ -186,7 +187,7 @@ def stream_hf_weights(engine: MegatronEngine, bucket_bytes: int, stats: ReshardS
         else:
             stats.min_bytes_received += b.bytes_per_tp_rank * (engine.tp_size - 1)
     for i, b in enumerate(buckets):
-        src_dp = i % engine.dp_size  # replicas of the stage take turns as the sender
+        src_dp = i % engine.replicas  # replicas of the stage take turns as the sender
         parts: list[dict[str, torch.Tensor]] = []
         for tp in range(engine.tp_size):
             src = _owner(engine, tp, src_dp, b.stage)
@@ -250,7 +251,7 @@ def naive_reshard(engine: MegatronEngine, rollout: Any) -> ReshardStats:
     t0 = time.perf_counter()
     stage = engine.export_hf_stage()  # TP rank 0 of each stage gets the stage's HF tensors
     rank = dist.get_rank()
-    sender = engine.tp_rank == 0 and engine.dp_rank == 0
+    sender = engine.tp_rank == 0 and engine.replica_rank == 0
     gathered: list[Any] = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(stage if sender else None, gathered, dst=0)
     full: dict[str, torch.Tensor] = {}

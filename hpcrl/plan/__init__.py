@@ -4,13 +4,23 @@
   device (Megatron's TP x PP shard of a pipeline stage, vLLM's rollout-TP shard).
 - `memory.py`: the bytes of one worker (one GPU, or one CPU worker process) in each phase of a step
   (rollout, reshard, forward, updates, optimizer step), term by term; with the split placement, of
-  a trainer worker and of a rollout worker apart; no torch, no vLLM.
+  a trainer worker and of a rollout worker apart; the activations of one layer by region, with
+  context parallel, sequence parallel and recompute (`role_layer_activations`); no torch, no vLLM.
 - `report.py`: what `hpcrl plan` prints after the layouts (table, peak, verdict, what to change),
   its options (--nodes, --gpus-per-node, --gpu-mem, --model-config, --compare) and exit statuses,
   and the comparison with the peaks a run measured (metrics.jsonl).
 """
 
-from hpcrl.plan.memory import Estimate, RoleShapes, estimate, estimate_rollout_worker
+from hpcrl.plan.memory import (
+    Estimate,
+    LayerActivations,
+    RoleShapes,
+    estimate,
+    estimate_rollout_worker,
+    kept_activation_bytes,
+    layer_activations,
+    role_layer_activations,
+)
 from hpcrl.plan.report import (
     EXIT_DOES_NOT_FIT,
     EXIT_STATUS_HELP,
@@ -22,7 +32,7 @@ from hpcrl.plan.report import (
 from hpcrl.plan.shape import ModelConfigError, ModelShape, read_model_shape
 
 __all__ = [
-    "EXIT_DOES_NOT_FIT", "EXIT_STATUS_HELP", "Estimate", "ModelConfigError", "ModelShape", "RoleShapes",
-    "add_plan_arguments", "cluster_for_plan", "compare_with_run", "estimate", "estimate_rollout_worker", "memory_plan",
-    "read_model_shape",
+    "EXIT_DOES_NOT_FIT", "EXIT_STATUS_HELP", "Estimate", "LayerActivations", "ModelConfigError", "ModelShape",
+    "RoleShapes", "add_plan_arguments", "cluster_for_plan", "compare_with_run", "estimate", "estimate_rollout_worker",
+    "kept_activation_bytes", "layer_activations", "memory_plan", "read_model_shape", "role_layer_activations",
 ]

@@ -31,7 +31,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from hpcrl.config import is_dpo, role_layouts, rollout_layout
-from hpcrl.config.derived import Layout, is_split, rollout_world_size
+from hpcrl.config.derived import Layout, cp_padded_length, is_split, rollout_world_size
 from hpcrl.plan.shape import (
     ModelShape,
     largest_reshard_unit_params,
@@ -65,6 +65,8 @@ CPU_KV_BLOCK_TOKENS = 32
 # and sequences per step; on GPUs of 70 GiB and more the larger ones
 VLLM_GPU_BATCH_DEFAULTS = {"large": (16384, 1024), "small": (8192, 256)}
 VLLM_CPU_BATCH_DEFAULTS = (4096, 256)  # times the rollout TP (world size of one engine)
+# actor.recompute / critic.recompute, cheapest in compute first
+RECOMPUTE_MODES = ("none", "selective", "full")
 
 PHASES = ("rollout", "reshard", "transfer", "receive", "forward", "update actor", "update critic", "optimizer step")
 PHASE_MEANING = {
@@ -140,7 +142,9 @@ class Estimate:
     problems: list[str] = field(default_factory=list)  # why it does not fit (besides the peak)
     host_pinned_per_node: dict[str, int] = field(default_factory=dict)
     micro_batches_in_flight: int = 1
-    micro_batch_tokens: int = 0
+    micro_batch_tokens: int = 0  # of the whole packed row; each CP rank holds 1 / CP of it
+    actor_layout: Layout | None = None
+    recompute: str = "none"  # the actor's
     # "worker" (colocated: every worker), or the split placement's "trainer worker" / "rollout worker"
     kind: str = "worker"
 
@@ -185,39 +189,121 @@ def sequence_tokens(cfg: DictConfig, shape: ModelShape) -> int:
     return min(shape.max_position_embeddings, cfg.data.max_prompt_length + cfg.rollout.max_new_tokens)
 
 
-def micro_batch_token_count(section: Any, seq_len: int) -> int:
-    """Tokens of one micro-batch: the packing budget (a longer sequence gets a micro-batch of its
-    own: hpcrl.engines.megatron.packing.plan_micro_batches), or micro_batch_size padded rows."""
+def micro_batch_token_count(section: Any, seq_len: int, lay: Layout | None = None) -> int:
+    """Tokens of one micro-batch, its whole row (each CP rank holds 1 / CP of it): the packing budget
+    (a longer sequence gets a micro-batch of its own: hpcrl.engines.megatron.packing.plan_micro_batches),
+    or micro_batch_size padded rows. With context parallel a sequence takes its length rounded up to
+    2 x CP places, and a row is padded to `Layout.token_multiple` (hpcrl.engines.megatron.forward)."""
+    cp, multiple = (lay.cp, lay.token_multiple) if lay is not None else (1, 1)
+    seq = cp_padded_length(seq_len, cp)
     if section.packing:
-        return max(int(section.micro_batch_tokens), seq_len)
-    return int(section.micro_batch_size) * seq_len
+        tokens = max(int(section.micro_batch_tokens), seq)
+    else:
+        tokens = int(section.micro_batch_size) * -(-seq // multiple) * multiple
+    return -(-tokens // multiple) * multiple
 
 
 def micro_batches_per_minibatch(cfg: DictConfig, section: Any, lay: Layout, seq_len: int) -> int:
-    """Micro-batches one DP rank runs for one mini-batch, with every sequence at full length."""
+    """Micro-batches one DP rank runs for one mini-batch, with every sequence at full length (its CP
+    ranks run the same micro-batches, each on its share of the tokens)."""
     samples = max(int(section.ppo_mini_batch_size) // max(lay.dp, 1), 1)
     if section.packing:
-        return max(math.ceil(samples * seq_len / micro_batch_token_count(section, seq_len)), 1)
+        seq = cp_padded_length(seq_len, lay.cp)
+        return max(math.ceil(samples * seq / micro_batch_token_count(section, seq_len, lay)), 1)
     return max(math.ceil(samples / int(section.micro_batch_size)), 1)
 
 
 # -- per-term arithmetic ---------------------------------------------------------------------------
-def stored_activation_elements_per_token(shape: ModelShape, tp: int, fused_swiglu: bool) -> float:
+def norm_region_elements_per_token(shape: ModelShape, tp: int, sp: bool = False) -> float:
+    """The activations of the norm regions one decoder layer keeps, per token: the inputs of the two
+    RMSNorms and of the q/k/v and MLP input projections (4h), replicated on the TP ranks, or split over
+    them with sequence parallel (Korthikanti et al. 2022, section 4.2.2)."""
+    return 4 * shape.hidden_size / (tp if sp else 1)
+
+
+def attention_elements_per_token(shape: ModelShape, tp: int) -> float:
+    """q, k, v and the attention output, split over TP: (2 q_dim + 2 kv_dim) / tp."""
+    return (2 * shape.q_dim + 2 * shape.kv_dim) / tp
+
+
+def mlp_elements_per_token(shape: ModelShape, tp: int, fused_swiglu: bool) -> float:
+    """The gated MLP's [gate, up] projection (2I / tp) and the input of its down projection (I / tp),
+    plus the SiLU output (I / tp) when the gate is not fused."""
+    return (3 if fused_swiglu else 4) * shape.intermediate_size / tp
+
+
+def stored_activation_elements_per_token(shape: ModelShape, tp: int, fused_swiglu: bool, sp: bool = False) -> float:
     """Activation elements one decoder layer keeps for its backward, per token (Korthikanti et al.
-    2022, section 4, without dropout, with flash attention, for RMSNorm + GQA + gated MLP, tensor
-    parallel without sequence parallelism): the two norm inputs and the inputs of the q/k/v and MLP
-    input projections are replicated on the TP ranks (4h); q, k, v and the attention output are split
-    ((2 q_dim + 2 kv_dim) / tp); the gated MLP keeps its [gate, up] projection (2I / tp) and the input
-    of its down projection (I / tp), plus the SiLU output (I / tp) when the gate is not fused."""
-    h, mlp = shape.hidden_size, shape.intermediate_size
-    return 4 * h + (2 * shape.q_dim + 2 * shape.kv_dim) / tp + (3 if fused_swiglu else 4) * mlp / tp
+    2022, section 4, without dropout, with flash attention, for RMSNorm + GQA + gated MLP): the norm
+    regions, the attention's q, k, v and output, the MLP (the three functions above). The attention
+    kernel's own state is `core_attention_bytes`."""
+    return (norm_region_elements_per_token(shape, tp, sp) + attention_elements_per_token(shape, tp)
+            + mlp_elements_per_token(shape, tp, fused_swiglu))
 
 
-def working_elements_per_token(shape: ModelShape, tp: int) -> float:
+def working_elements_per_token(shape: ModelShape, tp: int, sp: bool = False) -> float:
     """Elements alive inside one layer's forward (or its backward's gradients) beyond what is kept:
     residual, norm output, the TP all-reduce output, the pipeline's send and receive buffers (5h),
-    the MLP's projection and activation outputs (3I / tp)."""
-    return 5 * shape.hidden_size + 3 * shape.intermediate_size / tp
+    the MLP's projection and activation outputs (3I / tp). With sequence parallel the residual, the
+    norm output, the reduce-scatter's output and the pipeline's buffers are split over TP (5h / tp)
+    and the all-gathered input of a TP layer is whole (h)."""
+    h = shape.hidden_size
+    return (h + 5 * h / tp if sp else 5 * h) + 3 * shape.intermediate_size / tp
+
+
+def core_attention_bytes(shape: ModelShape, tp: int, tokens: int, dtype_bytes: int, dense: bool) -> float:
+    """What one layer's attention kernel keeps for its backward besides q, k, v and its output, over
+    `tokens` tokens of this rank: with model.local_attention=dense the [heads / tp, T, T] probabilities
+    (Korthikanti's 5as/h term, without dropout), with flash kernels (Transformer Engine, PyTorch's
+    scaled_dot_product_attention) the softmax statistics, one fp32 log-sum-exp per head and token.
+    Selective recompute (the core attention re-run in the backward) drops it."""
+    if dense:
+        return dense_attention_elements(shape, tp, tokens) * dtype_bytes
+    return shape.num_heads / tp * tokens * 4
+
+
+@dataclass(frozen=True)
+class LayerActivations:
+    """Bytes one decoder layer keeps for its backward over one micro-batch on one rank, by region
+    (`layer_activations`; docs/planner.md, "Activations of the update")."""
+
+    norm_region: int  # the norms' and input projections' inputs: 4h, or 4h / tp with sequence parallel
+    attention: int  # q, k, v and the attention output: (2 q_dim + 2 kv_dim) / tp
+    mlp: int  # [gate, up], the down projection's input (and the SiLU output unfused): (3 or 4) I / tp
+    core_attention: int  # the attention kernel's own state (`core_attention_bytes`)
+    layer_input: int  # the layer's input, all that full recompute keeps: h, or h / tp with sequence parallel
+
+    @property
+    def total(self) -> int:
+        return self.norm_region + self.attention + self.mlp + self.core_attention
+
+    def kept(self, recompute: str) -> int:
+        """What the layer keeps until its backward under actor.recompute (or critic's)."""
+        if recompute == "full":
+            return self.layer_input
+        return self.total - (self.core_attention if recompute == "selective" else 0)
+
+
+def layer_activations(shape: ModelShape, lay: Layout, tokens: int, dtype_bytes: int, fused_swiglu: bool,
+                      dense: bool) -> LayerActivations:
+    """The terms of `LayerActivations` for `tokens` tokens on this rank: with context parallel a rank
+    holds 1 / CP of every sequence, so every term is of the row's tokens / CP."""
+    h, tp, sp = shape.hidden_size, lay.tp, lay.sp
+    return LayerActivations(
+        norm_region=int(tokens * norm_region_elements_per_token(shape, tp, sp) * dtype_bytes),
+        attention=int(tokens * attention_elements_per_token(shape, tp) * dtype_bytes),
+        mlp=int(tokens * mlp_elements_per_token(shape, tp, fused_swiglu) * dtype_bytes),
+        core_attention=int(core_attention_bytes(shape, tp, tokens, dtype_bytes, dense)),
+        layer_input=int(tokens * h / (tp if sp else 1) * dtype_bytes))
+
+
+def kept_activation_bytes(acts: LayerActivations, layers: int, in_flight: int, recompute: str) -> int:
+    """What a pipeline stage keeps for its backward: `in_flight` micro-batches over its `layers`
+    layers, each layer keeping `LayerActivations.kept`; with full recompute also the whole activations
+    of the one layer whose forward the backward is re-running (Megatron's uniform method, one layer
+    per checkpoint)."""
+    kept = in_flight * layers * acts.kept(recompute)
+    return kept + (acts.total if recompute == "full" else 0)
 
 
 def dense_attention_elements(shape: ModelShape, tp: int, tokens: int) -> float:
@@ -266,6 +352,19 @@ def vllm_activation_bytes(shape: ModelShape, rollout_tp: int, dtype_bytes: int, 
     logits over the full vocabulary with their log-softmax for max_num_seqs sequences."""
     working = tokens * working_elements_per_token(shape, rollout_tp) * dtype_bytes
     return int(working + seqs * shape.vocab_size * 4 * 2)
+
+
+def role_layer_activations(cfg: DictConfig, shape: ModelShape, role: str = "actor",
+                           gpu_mem_bytes: int | None = None) -> LayerActivations:
+    """One decoder layer's activations for one of `role`'s micro-batches on one rank, term by term, as
+    the plan of this validated config counts them (`estimate`'s "activations kept for backward" is
+    `kept_activation_bytes` of these); gpu_mem_bytes as for `estimate` (a GPU plan)."""
+    device = plan_device(cfg, gpu_asked=gpu_mem_bytes is not None)
+    lay = role_layouts(cfg)[role]
+    tokens = micro_batch_token_count(cfg[role], sequence_tokens(cfg, shape), lay) // lay.cp
+    return layer_activations(shape, lay, tokens, 2 if plan_dtype(cfg, device) == "bf16" else 4,
+                             fused_swiglu=device == "gpu",
+                             dense=device == "cpu" and cfg.model.local_attention == "dense")
 
 
 # -- the plan --------------------------------------------------------------------------------------
@@ -360,25 +459,35 @@ class _Run:
         return "process: torch+megatron+vLLM (measured)", CPU_PROCESS_OVERHEAD_BYTES
 
     def tokens(self, role: str) -> int:
-        return micro_batch_token_count(self.cfg[role], self.seq_len)
+        """Tokens of one of the role's micro-batches, the whole row."""
+        return micro_batch_token_count(self.cfg[role], self.seq_len, self.layouts[role])
+
+    def local_tokens(self, role: str) -> int:
+        """The share of a micro-batch's tokens one rank holds: 1 / CP of each sequence."""
+        return self.tokens(role) // self.layouts[role].cp
+
+    def recompute(self, role: str) -> str:
+        """actor.recompute / critic.recompute; the other roles only run forwards."""
+        return str(self.cfg[role].recompute) if role in ("actor", "critic") else "none"
+
+    def layer_activations(self, role: str, shape: ModelShape) -> LayerActivations:
+        # bias_activation_fusion (a fused SwiGLU) is on exactly on CUDA (hpcrl.engines.megatron.model)
+        return layer_activations(shape, self.layouts[role], self.local_tokens(role), self.dtype_bytes,
+                                 fused_swiglu=self.gpu, dense=self.dense_attention)
 
     def stored_activations(self, role: str, shape: ModelShape, stage: int) -> tuple[int, int]:
         """(bytes the backward keeps on this stage under 1F1B, micro-batches in flight): a stage
         keeps the activations of (stages after it + 1) micro-batches, each over its layers
         (Narayanan et al. 2021; Korthikanti et al. 2022, section 4.2.3)."""
         lay = self.layouts[role]
-        tokens = self.tokens(role)
         in_flight = min(lay.pp - stage, micro_batches_per_minibatch(self.cfg, self.cfg[role], lay, self.seq_len))
-        # bias_activation_fusion (a fused SwiGLU) is on exactly on CUDA (hpcrl.engines.megatron.model)
-        per_layer = tokens * stored_activation_elements_per_token(shape, lay.tp, fused_swiglu=self.gpu)
-        if self.dense_attention:
-            per_layer += dense_attention_elements(shape, lay.tp, tokens)
-        return int(in_flight * (shape.num_layers // lay.pp) * per_layer * self.dtype_bytes), in_flight
+        acts = self.layer_activations(role, shape)
+        return kept_activation_bytes(acts, shape.num_layers // lay.pp, in_flight, self.recompute(role)), in_flight
 
     def working(self, role: str, shape: ModelShape) -> int:
-        lay, tokens = self.layouts[role], self.tokens(role)
+        lay, tokens = self.layouts[role], self.local_tokens(role)
         extra = 2 * dense_attention_elements(shape, lay.tp, tokens) if self.dense_attention else 0
-        return int((tokens * working_elements_per_token(shape, lay.tp) + extra) * self.dtype_bytes)
+        return int((tokens * working_elements_per_token(shape, lay.tp, lay.sp) + extra) * self.dtype_bytes)
 
     @property
     def dense_attention(self) -> bool:
@@ -417,13 +526,13 @@ def _stage_estimate(run: _Run, stage: int, engines: bool = True) -> tuple[list[P
 
         adapters = lora_shard_params(policy, lora.rank, resolve_targets(list(lora.target_modules)), tp, pp)
     actor = _Role("actor", megatron_shard_params(policy, tp, pp, stage), run.dtype_bytes, True, low, adapters,
-                  optim_shards=max(actor_lay.dp, 1) if cfg.actor.optim.shard_over_dp else 1)
+                  optim_shards=max(actor_lay.dp * actor_lay.cp, 1) if cfg.actor.optim.shard_over_dp else 1)
     others: list[_Role] = []
     if "critic" in run.layouts:
         lay = run.layouts["critic"]
         others.append(_Role("critic", megatron_shard_params(critic_shape, lay.tp, lay.pp, stage, head="value"),
                             run.dtype_bytes, True, low,
-                            optim_shards=max(lay.dp, 1) if cfg.critic.optim.shard_over_dp else 1))
+                            optim_shards=max(lay.dp * lay.cp, 1) if cfg.critic.optim.shard_over_dp else 1))
     if "reference" in run.layouts and not lora.rank:
         lay = run.layouts["reference"]
         others.append(_Role("reference", megatron_shard_params(policy, lay.tp, lay.pp, stage), run.dtype_bytes,
@@ -468,7 +577,7 @@ def _stage_estimate(run: _Run, stage: int, engines: bool = True) -> tuple[list[P
 
     forwards = []  # the peak of each forward the step runs (one role at a time)
     if run.actor_forward or "reference" in run.layouts:
-        logits = logits_bytes(run.tokens("actor"), vocab_shard, run.dtype_bytes, entropy=False) if last else 0
+        logits = logits_bytes(run.local_tokens("actor"), vocab_shard, run.dtype_bytes, entropy=False) if last else 0
         forwards.append(run.working("actor", policy) + logits)
     if "critic" in run.layouts:
         forwards.append(run.working("critic", critic_shape))
@@ -488,8 +597,8 @@ def _stage_estimate(run: _Run, stage: int, engines: bool = True) -> tuple[list[P
     update.add("working set of one layer", run.working("actor", policy))
     if last:
         entropy = float(cfg.actor.entropy_coeff) != 0.0
-        update.add("logits at response positions", logits_bytes(run.tokens("actor"), vocab_shard, run.dtype_bytes,
-                                                                 entropy))
+        update.add("logits at response positions", logits_bytes(run.local_tokens("actor"), vocab_shard,
+                                                                 run.dtype_bytes, entropy))
     update.add(runtime_label, runtime_bytes)
     phases.append(update)
     if "critic" in run.layouts:
@@ -629,7 +738,8 @@ def estimate(cfg: DictConfig, shapes: RoleShapes, gpu_mem_bytes: int | None = No
         est = Estimate(device=run.device, dtype=run.dtype, stage=stage, pipeline_stages=pp, phases=phases, kv=kv,
                        capacity_bytes=None, capacity_source="", host_pinned_per_node=pinned,
                        micro_batches_in_flight=in_flight, micro_batch_tokens=run.tokens("actor"),
-                       kind="trainer worker" if split else "worker")
+                       kind="trainer worker" if split else "worker", actor_layout=run.layouts["actor"],
+                       recompute=run.recompute("actor"))
         if best is None or est.peak.total > best.peak.total:
             best = est
     assert best is not None

@@ -21,11 +21,12 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from hpcrl.config import ConfigError, critic_enabled, reference_enabled, role_layouts, validate, world_size
-from hpcrl.config.derived import is_split, trainer_world_size
+from hpcrl.config.derived import is_split, token_multiple, trainer_world_size
 from hpcrl.plan.memory import (
     GB,
     GIB,
     PHASE_MEANING,
+    RECOMPUTE_MODES,
     Estimate,
     RoleShapes,
     estimate,
@@ -112,8 +113,9 @@ class ClusterChange:
             print(f"  - {problem}")
         more = (f"--nodes {self.fewest_nodes} (trainer.nnodes={self.fewest_nodes}) is the fewest that place it"
                 if self.fewest_nodes else "more nodes")
-        print(f"verdict     does not fit on {nodes} node(s): {more}; or a smaller TP x PP that divides the workers "
-              "(actor.parallel.tensor_parallel / pipeline_parallel), which puts more of the model on each GPU")
+        print(f"verdict     does not fit on {nodes} node(s): {more}; or a smaller TP x PP x CP that divides the "
+              "workers (actor.parallel.tensor_parallel / pipeline_parallel / context_parallel), which puts more of "
+              "the model, or of each sequence, on each GPU")
         inputs = _read_inputs(cfg, args)
         if not isinstance(inputs, int):
             alternative = best_placeable(cfg, inputs)
@@ -142,14 +144,16 @@ def cluster_for_plan(cfg: DictConfig, args: argparse.Namespace) -> tuple[DictCon
         par = new[role].get("parallel")
         if par is None or par.get("data_parallel") is None:
             continue
-        tp_pp = par.tensor_parallel * par.pipeline_parallel
-        if par.data_parallel * tp_pp != w:
-            derived = w // tp_pp if w % tp_pp == 0 else None
+        model_parallel = par.tensor_parallel * par.pipeline_parallel * par.context_parallel
+        if par.data_parallel * model_parallel != w:
+            derived = w // model_parallel if model_parallel and w % model_parallel == 0 else None
+            names = "TP x PP x CP" if par.context_parallel > 1 else "TP x PP"
             change.notes.append(
                 f"{role}.parallel.data_parallel={par.data_parallel} is for the recipe's "
                 f"{world_size(cfg)} workers; " + (f"re-derived as {derived} for {w} (pass {role}.parallel."
                                                   f"data_parallel={derived} or null when you run it)"
-                                                  if derived else f"dropped: TP x PP = {tp_pp} does not divide {w}"))
+                                                  if derived else f"dropped: {names} = {model_parallel} does not "
+                                                                  f"divide {w}"))
             par.data_parallel = None
     try:
         validate(new)
@@ -286,6 +290,26 @@ def format_estimate(est: Estimate) -> list[str]:
     return lines
 
 
+RECOMPUTE_MEANING = {
+    "none": "no activation recompute (actor.recompute=none)",
+    "selective": "selective recompute (actor.recompute=selective: the core attention re-run in the backward)",
+    "full": "full recompute (actor.recompute=full: each layer's input kept, the layer re-run in the backward)",
+}
+
+
+def activation_line(est: Estimate) -> str:
+    """How the actor's activations are laid out: micro-batch tokens (per CP rank), micro-batches in
+    flight, sequence parallel, recompute."""
+    lay = est.actor_layout
+    tokens = f"micro-batches of {est.micro_batch_tokens} tokens (actor)"
+    if lay is not None and lay.cp > 1:
+        tokens += f", {est.micro_batch_tokens // lay.cp} on each rank (context parallel CP={lay.cp})"
+    kept = (f"{est.micro_batches_in_flight} kept at once on stage {est.stage} (1F1B)" if est.pipeline_stages > 1
+            else "one at a time (no pipeline)")
+    sp = f"; sequence parallel: the norm regions split over TP={lay.tp}" if lay is not None and lay.sp else ""
+    return f"{tokens}, {kept}{sp}; {RECOMPUTE_MEANING.get(est.recompute, est.recompute)}"
+
+
 def _unit_name(est: Estimate) -> str:
     return "GiB" if est.device == "gpu" else "GB"
 
@@ -343,20 +367,66 @@ def _describe_try(changes: dict[str, Any], est: Estimate) -> str:
             + ("fits" if est.fits else "does not fit" + (f" ({est.problems[0]})" if est.problems else "")))
 
 
+def _own_parallel_roles(cfg: DictConfig) -> list[str]:
+    """The enabled roles besides the actor whose `parallel` section is set (the others follow the
+    actor's)."""
+    return [role for role in ("critic", "reference")
+            if cfg[role].parallel is not None and (critic_enabled(cfg) if role == "critic" else reference_enabled(cfg))]
+
+
+def _parallel_changes(cfg: DictConfig, sizes: dict[str, Any], moves_dp: bool = True) -> dict[str, Any]:
+    """Keys that set `sizes` ({"tensor_parallel": ..., "context_parallel": ...}) on every Megatron
+    role (colocated roles share one layout); when they change DP (`moves_dp`), the data_parallel
+    cross-checks they would break set to null."""
+    changes: dict[str, Any] = {f"actor.parallel.{k}": v for k, v in sizes.items()}
+    if moves_dp and cfg.actor.parallel.data_parallel is not None:
+        changes["actor.parallel.data_parallel"] = None
+    for role in _own_parallel_roles(cfg):
+        changes.update({f"{role}.parallel.{k}": v for k, v in sizes.items()})
+        if moves_dp and cfg[role].parallel.data_parallel is not None:
+            changes[f"{role}.parallel.data_parallel"] = None
+    return changes
+
+
 def _layout_changes(cfg: DictConfig, tp: int, pp: int) -> dict[str, Any]:
     """Keys that move every Megatron role to TP x PP (colocated roles share one layout)."""
-    changes: dict[str, Any] = {"actor.parallel.tensor_parallel": tp, "actor.parallel.pipeline_parallel": pp}
-    if cfg.actor.parallel.data_parallel is not None:
-        changes["actor.parallel.data_parallel"] = None
-    for role in ("critic", "reference"):
-        par = cfg[role].parallel
-        enabled = critic_enabled(cfg) if role == "critic" else reference_enabled(cfg)
-        if enabled and par is not None:
-            changes[f"{role}.parallel.tensor_parallel"] = tp
-            changes[f"{role}.parallel.pipeline_parallel"] = pp
-            if par.data_parallel is not None:
-                changes[f"{role}.parallel.data_parallel"] = None
+    return _parallel_changes(cfg, {"tensor_parallel": tp, "pipeline_parallel": pp})
+
+
+def _cp_changes(cfg: DictConfig, cp: int) -> dict[str, Any]:
+    """Keys that move every Megatron role to context parallel `cp`; the dense attention cannot take
+    it (validate.py), so it moves to the per-sequence one."""
+    changes = _parallel_changes(cfg, {"context_parallel": cp})
+    if cp > 1 and cfg.model.local_attention == "dense":
+        changes["model.local_attention"] = "per_sequence"
     return changes
+
+
+def _recompute_changes(cfg: DictConfig, mode: str) -> dict[str, Any]:
+    """actor.recompute (and the critic's, when there is one) set to `mode`."""
+    return {"actor.recompute": mode, **({"critic.recompute": mode} if critic_enabled(cfg) else {})}
+
+
+def _with_valid_budgets(cfg: DictConfig, changes: dict[str, Any]) -> dict[str, Any]:
+    """`changes` plus what the layout they make needs to validate: sequence parallel off where TP
+    becomes 1, and the packing budgets moved up to a multiple of the new row length multiple
+    (`token_multiple`)."""
+    out = dict(changes)
+
+    def value(key: str) -> Any:
+        return out[key] if key in out else OmegaConf.select(cfg, key)
+
+    for role in ["actor", *_own_parallel_roles(cfg)]:
+        if value(f"{role}.parallel.sequence_parallel") and value(f"{role}.parallel.tensor_parallel") == 1:
+            out[f"{role}.parallel.sequence_parallel"] = False
+    for role in ["actor"] + (["critic"] if critic_enabled(cfg) else []):
+        par = f"{role}.parallel" if role == "actor" or cfg[role].parallel is not None else "actor.parallel"
+        multiple = token_multiple(value(f"{par}.tensor_parallel"), value(f"{par}.context_parallel"),
+                                  bool(value(f"{par}.sequence_parallel")))
+        budget = value(f"{role}.micro_batch_tokens")
+        if cfg[role].packing and budget % multiple:
+            out[f"{role}.micro_batch_tokens"] = -(-budget // multiple) * multiple
+    return out
 
 
 def _token_ladder(start: int, floor: int) -> list[int]:
@@ -378,26 +448,53 @@ def suggest(cfg: DictConfig, est: Estimate, shapes: RoleShapes, gpu_mem: int | N
     alone (a larger TP x PP, smaller micro-batches, actor.offload, a smaller vLLM share or KV cache,
     shorter completions); when none does alone, the smallest combination of layout and micro-batch
     budget that does, and otherwise the closest tries."""
-    tried: list[tuple[dict[str, Any], Estimate]] = []
+    tried: list[tuple[dict[str, Any], Estimate, str]] = []
 
-    def attempt(changes: dict[str, Any]) -> Estimate | None:
-        if any(changes == c for c, _ in tried):
-            return next(r for c, r in tried if c == changes)
+    def attempt(changes: dict[str, Any], kind: str) -> Estimate | None:
+        changes = _with_valid_budgets(cfg, changes)
+        if any(changes == c for c, _, _ in tried):
+            return next(r for c, r, _ in tried if c == changes)
         result = _try(cfg, changes, shapes, gpu_mem, host, planner)
         if result is not None:
-            tried.append((changes, result))
+            tried.append((changes, result, kind))
         return result
 
     shape = shapes.policy
-    tp, pp = cfg.actor.parallel.tensor_parallel, cfg.actor.parallel.pipeline_parallel
+    par = cfg.actor.parallel
+    tp, pp, cp = par.tensor_parallel, par.pipeline_parallel, par.context_parallel
     w = trainer_world_size(cfg)
     # a larger TP x PP: weights, gradients and Adam states per GPU shrink with it
     layouts = [(tp, p) for p in range(pp + 1, shape.num_layers + 1)
-               if shape.num_layers % p == 0 and w % (tp * p) == 0]
+               if shape.num_layers % p == 0 and w % (tp * p * cp) == 0]
     layouts += [(t, pp) for t in range(tp + 1, cfg.trainer.workers_per_node + 1)
-                if shape.num_heads % t == 0 and shape.num_kv_heads % t == 0 and w % (t * pp) == 0]
+                if shape.num_heads % t == 0 and shape.num_kv_heads % t == 0 and w % (t * pp * cp) == 0]
     for new_tp, new_pp in layouts:
-        r = attempt(_layout_changes(cfg, new_tp, new_pp))
+        r = attempt(_layout_changes(cfg, new_tp, new_pp), "layout")
+        if r is not None and r.fits:
+            break
+    # sequence parallel: the norm regions' activations split over TP (a reduce-scatter and an all-gather
+    # in place of each all-reduce: the same volume)
+    sp_on = _parallel_changes(cfg, {"sequence_parallel": True}, moves_dp=False) \
+        if tp > 1 and not par.sequence_parallel else {}
+    if sp_on:
+        attempt(sp_on, "sequence parallel")
+    # context parallel: each rank holds 1 / CP of every sequence, and 1 / CP of its activations; the
+    # smallest CP that fits, alone or else with sequence parallel (a larger CP leaves fewer DP ranks
+    # to cut the optimizer state over, so it can cost more than it saves)
+    cps = [c for c in (2, 4, 8) if c > cp and w % (tp * pp * c) == 0]
+    for companion in ([{}, sp_on] if sp_on else [{}]):
+        r = None
+        for c in cps:
+            r = attempt({**_cp_changes(cfg, c), **companion}, "context parallel")
+            if r is not None and r.fits:
+                break
+        if r is not None and r.fits:
+            break
+    # activation recompute: the backward re-runs the core attention (selective) or each layer (full)
+    current = cfg.actor.recompute if cfg.actor.recompute in RECOMPUTE_MODES else "none"
+    modes = list(RECOMPUTE_MODES[RECOMPUTE_MODES.index(current) + 1:])
+    for mode in modes:
+        r = attempt(_recompute_changes(cfg, mode), "recompute")
         if r is not None and r.fits:
             break
 
@@ -410,48 +507,59 @@ def suggest(cfg: DictConfig, est: Estimate, shapes: RoleShapes, gpu_mem: int | N
     # smaller micro-batches: the activations shrink with them
     ladder = _token_ladder(cfg.actor.micro_batch_tokens, est.kv.sequence_tokens)
     for tokens in ladder:
-        r = attempt(token_changes(tokens))
+        r = attempt(token_changes(tokens), "micro-batch")
         if r is not None and r.fits:
             break
     if est.device == "gpu" and not cfg.actor.offload:
-        attempt({"actor.offload": True})
+        attempt({"actor.offload": True}, "offload")
     if est.device == "gpu":
         util = round(cfg.rollout.gpu_memory_utilization - 0.05, 2)
         while util >= 0.05:
-            r = attempt({"rollout.gpu_memory_utilization": util})
+            r = attempt({"rollout.gpu_memory_utilization": util}, "vLLM share")
             if r is not None and r.fits:
                 break
             util = round(util - 0.05, 2)
     elif est.kv.nbytes > GIB // 4:
-        attempt({"rollout.cpu_kv_cache_gib": round(est.kv.nbytes / GIB / 2, 3)})
+        attempt({"rollout.cpu_kv_cache_gib": round(est.kv.nbytes / GIB / 2, 3)}, "vLLM share")
     if est.kv.sequences < 1:
         new = cfg.rollout.max_new_tokens // 2
         while new >= 16:
-            r = attempt({"rollout.max_new_tokens": new})
+            r = attempt({"rollout.max_new_tokens": new}, "completions")
             if r is not None and r.fits:
                 break
             new //= 2
     out: list[str] = []
     seen: set[str] = set()
-    for changes, r in tried:
-        kind = "layout" if "parallel" in next(iter(changes)) else next(iter(changes))
+    for changes, r, kind in tried:
         if r.fits and kind not in seen:
             seen.add(kind)
             out.append(_describe_try(changes, r))
     if out:
         return out
-    # nothing alone: the smallest layout change that fits with the largest micro-batch budget
+    # nothing alone: the smallest CP with the cheapest recompute (and sequence parallel) that fits,
+    # with the actor offloaded while vLLM generates when that is what it takes (GPU)
+    offload = [{"actor.offload": True}] if est.device == "gpu" and not cfg.actor.offload else []
+    for extra in [{}, *offload]:
+        for c in [cp] + cps:
+            for mode in [current] + modes:
+                changes = {**sp_on, **(_cp_changes(cfg, c) if c != cp else {}),
+                           **(_recompute_changes(cfg, mode) if mode != current else {}), **extra}
+                r = attempt(changes, "long sequences") if changes else None
+                if r is not None and r.fits:
+                    return [_describe_try(_with_valid_budgets(cfg, changes), r) + " (no single change fits)"]
+    # then the smallest layout change that fits with the largest micro-batch budget
     for new_tp, new_pp in [(tp, pp)] + layouts:
         for tokens in ladder:
             changes = {**(_layout_changes(cfg, new_tp, new_pp) if (new_tp, new_pp) != (tp, pp) else {}),
                        **token_changes(tokens)}
-            r = attempt(changes)
+            r = attempt(changes, "layout and micro-batch")
             if r is not None and r.fits:
-                return [_describe_try(changes, r) + " (no single change fits)"]
-    closest = sorted(tried, key=lambda cr: cr[1].peak.total)[:3]
-    return [_describe_try(c, r) for c, r in closest] + [
-        "nothing tried fits: use GPUs with more memory, or more nodes with a larger TP x PP; more nodes alone do "
-        "not help (per-GPU memory does not depend on DP: the optimizer is not distributed)"]
+                return [_describe_try(_with_valid_budgets(cfg, changes), r) + " (no single change fits)"]
+    closest = sorted(tried, key=lambda crk: crk[1].peak.total)[:3]
+    return [_describe_try(c, r) for c, r, _ in closest] + [
+        "nothing tried fits: use GPUs with more memory, or more nodes with a larger TP x PP x CP; more nodes alone "
+        "do not help (per-GPU memory does not depend on DP beyond the optimizer state actor.optim.shard_over_dp "
+        "cuts over it)"]
 
 
 def worker_span(first: int, last: int) -> str:
@@ -540,12 +648,12 @@ def _read_inputs(cfg: DictConfig, args: argparse.Namespace) -> _Inputs | int:
 
 def placeable_layouts(cfg: DictConfig, shape: ModelShape) -> list[tuple[int, int]]:
     """(TP, PP) layouts a Megatron role can take on the config's workers: TP within a node and
-    dividing the heads and KV heads, PP dividing the layers, TP x PP dividing the workers; the
-    largest TP x PP first (the least memory per GPU)."""
-    w = world_size(cfg)
+    dividing the heads and KV heads, PP dividing the layers, TP x PP x CP (the config's CP) dividing
+    the workers; the largest TP x PP first (the least memory per GPU)."""
+    w, cp = world_size(cfg), cfg.actor.parallel.context_parallel
     out = [(t, p) for t in range(1, cfg.trainer.workers_per_node + 1) for p in range(1, shape.num_layers + 1)
            if shape.num_heads % t == 0 and shape.num_kv_heads % t == 0 and shape.num_layers % p == 0
-           and w % (t * p) == 0]
+           and w % (t * p * cp) == 0]
     return sorted(out, key=lambda tp_pp: (-tp_pp[0] * tp_pp[1], -tp_pp[0]))
 
 
@@ -563,6 +671,7 @@ def best_placeable(cfg: DictConfig, inputs: _Inputs) -> str | None:
             changes = {**_layout_changes(cfg, tp, pp), "actor.micro_batch_tokens": tokens}
             if critic_enabled(cfg):
                 changes["critic.micro_batch_tokens"] = min(tokens, cfg.critic.micro_batch_tokens)
+            changes = _with_valid_budgets(cfg, changes)
             r = _try(cfg, changes, inputs.shapes, inputs.gpu_mem, inputs.host)
             if r is None:
                 continue
@@ -600,16 +709,15 @@ def memory_plan(cfg: DictConfig, args: argparse.Namespace, change: ClusterChange
         print(f"note        {note}")
     for line in model_lines:
         print(line)
-    dp = role_layouts(cfg)["actor"].dp
+    lay = role_layouts(cfg)["actor"]
+    # the engine cuts them over the DP x CP replicas (CP ranks hold the same weights)
+    over = f"{lay.dp} DP" if lay.cp == 1 else f"{lay.dp} DP x {lay.cp} CP"
     precision = (f"{est.dtype} weights" + ("; fp32 master weights and fp32 gradient buffers" if est.dtype == "bf16"
                                            else "; fp32 gradients while updating") + "; Adam moments 2 x fp32"
-                 + (f"; masters and moments cut over the actor's {dp} DP ranks (actor.optim.shard_over_dp)"
-                    if cfg.actor.optim.shard_over_dp and dp > 1 else ""))
+                 + (f"; masters and moments cut over the actor's {over} ranks (actor.optim.shard_over_dp)"
+                    if cfg.actor.optim.shard_over_dp and lay.dp * lay.cp > 1 else ""))
     print(f"precision   {precision}")
-    kept = (f"{est.micro_batches_in_flight} kept at once on stage {est.stage} (1F1B)" if est.pipeline_stages > 1
-            else "one at a time (no pipeline)")
-    print(f"activations micro-batches of {est.micro_batch_tokens} tokens (actor), {kept}; no activation recompute "
-          "(the schema has no key for it)")
+    print(f"activations {activation_line(est)}")
     status = EXIT_FITS
     for kind_est, planner, ranks in kinds:
         if ranks is not None:

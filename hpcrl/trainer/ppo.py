@@ -149,9 +149,12 @@ class PPOTrainer:
         self.ahead = RolloutsAhead(staleness_depth(cfg))
         self.dp_size = self.actor.layout.dp_size
         where = self.actor.describe()
-        log.info("worker groups ready in %.1f s: %s (actor rank 0: %s %s, %d torch thread(s), CPUs %s, "
+        layout = (f"TP={where['tp']} PP={where['pp']}" + (f" CP={where['cp']}" if where["cp"] > 1 else "")
+                  + f" DP={where['dp']}" + (" SP" if where["sequence_parallel"] else "")
+                  + (f", recompute {where['recompute']}" if where["recompute"] != "none" else ""))
+        log.info("worker groups ready in %.1f s: %s (actor %s; rank 0: %s %s, %d torch thread(s), CPUs %s, "
                  "torch.compile %s)",
-                 time.perf_counter() - t, ", ".join(g.name for g in self.groups()), where["device"],
+                 time.perf_counter() - t, ", ".join(g.name for g in self.groups()), layout, where["device"],
                  where["dtype"], where["torch_threads"], where["cpu_affinity"],
                  "on" if where["torch_compile"] else "off")
 

@@ -24,7 +24,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from hpcrl.config import ConfigError
-from hpcrl.config.derived import is_dpo, role_layouts, trainer_world_size
+from hpcrl.config.derived import cp_padded_length, is_dpo, role_layouts, trainer_world_size
 from hpcrl.config.validate import ENTRY_POINT, dotted_value, value_problems
 
 
@@ -139,12 +139,49 @@ def _check_model_shape(cfg: DictConfig, hf: dict[str, Any], problems: list[str])
                         f"{cfg.data.max_prompt_length} a conversation may reach "
                         f"{cfg.data.max_prompt_length + mt.max_total_tokens} tokens, past the model's "
                         f"{positions} positions (max_position_embeddings). Lower one of them.")
+    if positions and not _layout_broken(cfg):
+        _check_cp_padding(cfg, int(positions), problems)
     rtp = cfg.rollout.tensor_parallel
     # vLLM replicates KV heads when TP exceeds them, so only the query heads must split evenly.
     if rtp >= 1 and (heads % rtp or (kv % rtp and rtp % kv)):
         problems.append(f"rollout.tensor_parallel={rtp}: the model has {heads} attention heads and {kv} KV "
                         "heads; vLLM needs TP to divide the heads, and the KV heads to divide or be divisible "
                         "by TP.")
+
+
+def _longest_sample(cfg: DictConfig) -> tuple[int, str]:
+    """The most tokens a training sequence can hold, and the keys that make it: the prompt and its
+    completion (the multi-turn budget when larger, as hpcrl.workers.actor_rollout.tokens_after_prompt),
+    or DPO's prompt and response."""
+    d, r = cfg.data, cfg.rollout
+    if is_dpo(cfg):
+        return d.max_prompt_length + d.max_response_length, "data.max_prompt_length + data.max_response_length"
+    if r.multi_turn.enable and r.multi_turn.max_total_tokens > r.max_new_tokens:
+        return (d.max_prompt_length + r.multi_turn.max_total_tokens,
+                "data.max_prompt_length + rollout.multi_turn.max_total_tokens")
+    return d.max_prompt_length + r.max_new_tokens, "data.max_prompt_length + rollout.max_new_tokens"
+
+
+def _check_cp_padding(cfg: DictConfig, positions: int, problems: list[str]) -> None:
+    """With context parallel each sequence is padded to a multiple of 2 x CP (its chunks), and the
+    padding takes positions too: the longest sequence, padded, must stay within the model's."""
+    par = cfg.actor.parallel  # the other roles' CP is the same (validate.py)
+    cp = par.context_parallel
+    if cp <= 1:
+        return
+    longest, keys = _longest_sample(cfg)
+    # vLLM never generates past the model's positions (max_model_len, hpcrl.workers.actor_rollout)
+    length = min(longest, positions)
+    padded = cp_padded_length(length, cp)
+    if padded > positions:
+        room = trainer_world_size(cfg) // (par.tensor_parallel * par.pipeline_parallel)
+        fits = [c for c in range(1, cp) if room % c == 0 and cp_padded_length(length, c) <= positions]
+        problems.append(f"actor.parallel.context_parallel={cp}: the longest sequence ({keys} = {longest} tokens"
+                        + (f", {length} within the model's positions" if longest > length else "")
+                        + f") padded to a multiple of 2 x CP = {2 * cp} takes {padded} positions, past the model's "
+                        f"{positions} (max_position_embeddings). Shorten it to {positions // (2 * cp) * (2 * cp)} "
+                        f"tokens or fewer, or use a smaller context_parallel"
+                        + (f" (the largest that fits these workers: {fits[-1]})." if fits else "."))
 
 
 def _gcd(a: int, b: int) -> int:
@@ -157,7 +194,8 @@ def _layout_broken(cfg: DictConfig) -> bool:
     w = trainer_world_size(cfg)
     if w < 1:
         return True
-    return any(p.tensor_parallel < 1 or p.pipeline_parallel < 1 or w % (p.tensor_parallel * p.pipeline_parallel)
+    return any(min(p.tensor_parallel, p.pipeline_parallel, p.context_parallel) < 1
+               or w % (p.tensor_parallel * p.pipeline_parallel * p.context_parallel)
                for p in (cfg.actor.parallel, cfg.critic.parallel or cfg.actor.parallel,
                          cfg.reference.parallel or cfg.actor.parallel))
 

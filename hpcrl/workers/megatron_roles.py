@@ -27,7 +27,7 @@ from hpcrl.workers.memory import peak_memory
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FIRST_STEP_ONLY = "logprob_gap_"  # metrics of an update's first optimizer step (before any change)
-_layout_in_use: tuple[int, int] | None = None
+_layout_in_use: tuple[int, int, int] | None = None
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -37,13 +37,13 @@ def resolve_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def _use_layout(tp: int, pp: int, seed: int) -> None:
+def _use_layout(tp: int, pp: int, seed: int, cp: int = 1) -> None:
     """megatron's parallel_state is process-global: colocated roles must share one layout."""
     global _layout_in_use
-    if _layout_in_use == (tp, pp):
+    if _layout_in_use == (tp, pp, cp):
         return
-    init_model_parallel(tp, pp, seed=seed)
-    _layout_in_use = (tp, pp)
+    init_model_parallel(tp, pp, seed=seed, cp=cp)
+    _layout_in_use = (tp, pp, cp)
 
 
 def lora_settings(cfg: dict[str, Any]) -> LoraSettings | None:
@@ -79,13 +79,17 @@ class MegatronRole(Worker):
         section = cfg[role]
         # reference and critic default to the actor's layout (they are colocated with it)
         par = section.get("parallel") or cfg["actor"]["parallel"]
-        _use_layout(par["tensor_parallel"], par["pipeline_parallel"], seed=cfg["trainer"]["seed"])
+        _use_layout(par["tensor_parallel"], par["pipeline_parallel"], seed=cfg["trainer"]["seed"],
+                    cp=par.get("context_parallel", 1))
         trains = role in ("actor", "critic")
         src = section if trains else cfg["actor"]
         options = EngineOptions(dtype=resolve_dtype(cfg["model"]["dtype"]), attention=cfg["model"]["local_attention"],
                                 micro_batch_tokens=src["micro_batch_tokens"], packing=src["packing"],
                                 micro_batch_size=src["micro_batch_size"],
-                                share_prompt=cfg["actor"]["share_prompt"])
+                                share_prompt=cfg["actor"]["share_prompt"],
+                                sequence_parallel=bool(par.get("sequence_parallel", False)),
+                                # the reference only runs forwards: nothing to recompute
+                                recompute=section.get("recompute", "none") if trains else "none")
         if role == "actor":
             options.lora = lora_settings(cfg)
             options.lora_adapters = (cfg["actor"].get("lora") or {}).get("adapters") if options.lora else None
@@ -108,8 +112,10 @@ class MegatronRole(Worker):
         self.engine = MegatronEngine(path, options, value_head=role == "critic", optim=optim)
 
     def parallel_coords(self) -> tuple[int, int, int]:
+        """(dp, model-parallel, pp): the TP x CP ranks of a stage share their DP rank's data, and
+        CP rank 0's TP rank 0 hands out the results (hpcrl.controller.dispatch.ParallelLayout)."""
         e = self.engine
-        return (e.dp_rank, e.tp_rank, e.pp_rank)
+        return (e.dp_rank, e.tp_rank + e.tp_size * e.cp_rank, e.pp_rank)
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
     def describe(self) -> dict[str, Any]:
@@ -121,7 +127,8 @@ class MegatronRole(Worker):
 
         e = self.engine
         return {"spec": e.spec, "device": str(next(e.model.parameters()).device), "dtype": str(e.options.dtype),
-                "backend": dist.get_backend(), "tp": e.tp_size, "pp": e.pp_size, "dp": e.dp_size,
+                "backend": dist.get_backend(), "tp": e.tp_size, "pp": e.pp_size, "dp": e.dp_size, "cp": e.cp_size,
+                "sequence_parallel": bool(e.model.config.sequence_parallel), "recompute": e.options.recompute,
                 # vLLM's CPU worker turns torch.set_num_threads into a no-op once it is built, so this
                 # stays what OMP_NUM_THREADS gave (hpcrl run: 1 per rank, every rank its own process)
                 "torch_threads": torch.get_num_threads(), "cpu_affinity": sorted(os.sched_getaffinity(0)),
@@ -176,16 +183,25 @@ class MegatronRole(Worker):
         positions = ([m > 0 for m in to_label_aligned(batch, "response_mask", seqs)] if response_only else None)
         with self._adapters(adapters):
             lp = self.engine.compute_logprob(seqs, self.temperature, positions)
-        if lp is None or self.engine.tp_rank != 0:
+        if lp is None or not self.engine.is_output_rank:
             return None
         return to_token_aligned(lp, tuple(batch["input_ids"].shape))
+
+    @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP)
+    def compute_entropy(self, batch: Batch) -> torch.Tensor | None:
+        """Token-aligned entropies [B, S] of the policy at the rollout temperature: entry t is the
+        entropy of the distribution token t was drawn from."""
+        ent = self.engine.compute_entropy(sequences(batch), self.temperature)
+        if ent is None or not self.engine.is_output_rank:
+            return None
+        return to_token_aligned(ent, tuple(batch["input_ids"].shape))
 
     @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP)
     def compute_values(self, batch: Batch) -> torch.Tensor | None:
         """Token-aligned values [B, S] (critic): entry t values the state just before token t."""
         seqs = sequences(batch)
         vals = self.engine.compute_values(seqs)
-        if vals is None or self.engine.tp_rank != 0:
+        if vals is None or not self.engine.is_output_rank:
             return None
         return to_token_aligned(vals, tuple(batch["input_ids"].shape))
 
@@ -296,7 +312,7 @@ class MegatronRole(Worker):
         (the controller merges the stages' dicts), None elsewhere. A TP collective."""
         e = self.engine
         steps = [e.export_hf_stage(g) for g in e.record_grads or []]
-        return steps if e.dp_rank == 0 and e.tp_rank == 0 else None
+        return steps if e.replica_rank == 0 and e.tp_rank == 0 else None
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
     def hf_weights(self, adapters: bool = True) -> dict[str, torch.Tensor] | None:
@@ -306,7 +322,7 @@ class MegatronRole(Worker):
         e = self.engine
         with self._adapters(adapters):
             stage = e.export_hf_stage(e.megatron_shard())
-        return stage if e.dp_rank == 0 and e.tp_rank == 0 else None
+        return stage if e.replica_rank == 0 and e.tp_rank == 0 else None
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
     def lora_adapters(self) -> dict[str, torch.Tensor] | None:
@@ -323,7 +339,7 @@ class MegatronRole(Worker):
         if e.tp_size > 1:
             shards = [None] * e.tp_size
             dist.all_gather_object(shards, mine, group=ps.get_tensor_model_parallel_group())
-        if e.dp_rank != 0 or e.tp_rank != 0:
+        if e.replica_rank != 0 or e.tp_rank != 0:
             return None
         return adapters_to_hf(e.arch, shards, e.pp_rank, e.pp_size)
 
@@ -338,7 +354,7 @@ class MegatronRole(Worker):
         e = self.engine
         stage = e.export_hf_stage()  # a TP collective: every rank takes part
         out = Path(out_dir)
-        writer = e.dp_rank == 0 and e.tp_rank == 0
+        writer = e.replica_rank == 0 and e.tp_rank == 0
         name = f"model-{e.pp_rank + 1:05d}-of-{e.pp_size:05d}.safetensors"
         if writer:
             out.mkdir(parents=True, exist_ok=True)
@@ -356,9 +372,9 @@ class MegatronRole(Worker):
         dist.barrier()
 
     def _stage_of_rank(self, rank: int) -> int:
-        """Pipeline stage of a torch.distributed rank in megatron's order (TP fastest, then DP, then PP)."""
+        """Pipeline stage of a torch.distributed rank in megatron's order (TP fastest, then CP, DP, PP)."""
         e = self.engine
-        return rank // (e.tp_size * e.dp_size)
+        return rank // (e.tp_size * e.replicas)
 
     # checkpoints (hpcrl.checkpoint, docs/checkpoint.md) ----------------------------------------
     def _checkpointer(self) -> Any:
@@ -431,12 +447,12 @@ class MegatronRole(Worker):
         """Sum of each row's response-token log-probs [B] (float64) under this model, T = 1;
         adapters=False: under the frozen base of a LoRA actor."""
         if len(batch) == 0:  # a DP shard of a batch with fewer rows than DP ranks
-            return torch.zeros(0, dtype=torch.float64) if self.engine.tp_rank == 0 else None
+            return torch.zeros(0, dtype=torch.float64) if self.engine.is_output_rank else None
         seqs = sequences(batch)
         positions = [m > 0 for m in to_label_aligned(batch, "response_mask", seqs)]
         with self._adapters(adapters):
             lp = self.engine.compute_logprob(seqs, 1.0, positions)
-        if lp is None or self.engine.tp_rank != 0:
+        if lp is None or not self.engine.is_output_rank:
             return None
         return torch.stack([v.double().sum() for v in lp])
 

@@ -25,7 +25,8 @@ class RewardModelRole(MegatronRole):
 
     def __init__(self, cfg: dict[str, Any], model_path: str | None = None):
         par = cfg["actor"]["parallel"]
-        _use_layout(par["tensor_parallel"], par["pipeline_parallel"], seed=cfg["trainer"]["seed"])
+        _use_layout(par["tensor_parallel"], par["pipeline_parallel"], seed=cfg["trainer"]["seed"],
+                    cp=par.get("context_parallel", 1))
         a = cfg["actor"]
         self.role = "reward_model"
         self.model_path = model_path or cfg["reward"]["model_path"]
@@ -33,7 +34,8 @@ class RewardModelRole(MegatronRole):
         self.policy_loss = cfg["algorithm"]["policy_loss"]
         options = EngineOptions(dtype=resolve_dtype(cfg["model"]["dtype"]), attention=cfg["model"]["local_attention"],
                                 micro_batch_tokens=a["micro_batch_tokens"], packing=a["packing"],
-                                micro_batch_size=a["micro_batch_size"])
+                                micro_batch_size=a["micro_batch_size"],
+                                sequence_parallel=bool(par.get("sequence_parallel", False)))
         self.engine = MegatronEngine(self.model_path, options, value_head=True)
         if self.engine.model.post_process:
             reader = SafetensorsReader(self.model_path)
@@ -54,6 +56,6 @@ class RewardModelRole(MegatronRole):
         attention keeps the earlier positions unaffected by it."""
         seqs = [torch.cat([s, s[-1:]]) for s in sequences(batch)]
         vals = self.engine.compute_values(seqs)
-        if vals is None or self.engine.tp_rank != 0:
+        if vals is None or not self.engine.is_output_rank:
             return None
         return torch.stack([v[-1] for v in vals]).float()

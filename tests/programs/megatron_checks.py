@@ -260,6 +260,11 @@ REFERENCE_CASES = [
      "t": 1.0},
     {"layout": (1, 2), "dtype": "fp32", "agg": "seq-mean-token-sum", "kl": "k3", "dual_clip": True, "entropy": 0.0},
     {"layout": (2, 2), "dtype": "fp32", "agg": "token-mean", "kl": "k1", "dual_clip": True, "entropy": 0.01},
+    # context parallel (each sequence's chunks on 2 ranks, DP 2), and CP x TP with sequence parallel
+    {"layout": (1, 1), "cp": 2, "dtype": "fp32", "agg": "seq-mean-token-mean", "kl": "k3", "dual_clip": True,
+     "entropy": 0.01},
+    {"layout": (2, 1), "cp": 2, "sp": True, "dtype": "fp32", "agg": "token-mean", "kl": "k1", "dual_clip": True,
+     "entropy": 0.01},
     {"layout": (1, 1), "dtype": "bf16", "agg": "token-mean", "kl": "k3", "dual_clip": True, "entropy": 0.01},
     {"layout": (2, 2), "dtype": "bf16", "agg": "seq-mean-token-mean", "kl": "k3", "dual_clip": True,
      "entropy": 0.01},
@@ -350,7 +355,11 @@ def reference_step_checks(workers: int, res: dict[str, Any], timed: Any) -> None
             continue
         t0 = time.time()
         t = case.get("t", REF_T)
-        name = f"{case['dtype']}-{tp}x{pp}" + ("" if t == REF_T else f"-t{t:g}")
+        cp, sp = case.get("cp", 1), case.get("sp", False)
+        if workers % (tp * pp * cp):
+            continue
+        name = (f"{case['dtype']}-{tp}x{pp}" + ("" if t == REF_T else f"-t{t:g}") + (f"-cp{cp}" if cp > 1 else "")
+                + ("-sp" if sp else ""))
         bf16 = case["dtype"] == "bf16"
         cfg = make_cfg(TINY, tp, pp, entropy_coeff=case["entropy"], ppo_mini_batch_size=len(batch) // REF_MINI,
                        ppo_epochs=REF_EPOCHS, loss_agg_mode=case["agg"], use_kl_loss=True, kl_loss_coef=0.1,
@@ -359,6 +368,7 @@ def reference_step_checks(workers: int, res: dict[str, Any], timed: Any) -> None
         cfg["model"]["dtype"] = case["dtype"]
         cfg["rollout"]["temperature"] = t
         cfg["algorithm"]["policy_loss"] = "dual_clip" if case["dual_clip"] else "ppo_clip"
+        cfg["actor"]["parallel"].update(context_parallel=cp, sequence_parallel=sp)
         actor = WorkerGroup(MegatronRole, init_kwargs={"cfg": cfg, "role": "actor"}, name=f"ref-{name}")
         actor.record_gradients(True)
         arranged = arrange_minibatches(copy.copy(batch), REF_MINI, actor.layout.dp_size, case["agg"],
@@ -377,6 +387,7 @@ def reference_step_checks(workers: int, res: dict[str, Any], timed: Any) -> None
         steps_n = len(ref["counts"])
         res["reference_step"][name] = {
             "case": {**case, "layout": f"{tp}x{pp}"}, "optimizer_steps": metrics["optimizer_steps"],
+            "engine": {k: v for k, v in actor.describe().items() if k in ("tp", "pp", "dp", "cp", "sequence_parallel")},
             **reference_errors(ref, steps, got, w0),
             "grad_norms": ref["grad_norms"], "hpcrl_grad_norm_mean": metrics["grad_norm"],
             # hpcrl's mini-batch means of the clip shares, and the reference's of the same steps
@@ -555,6 +566,12 @@ def main() -> None:
         res["timings"][name] = round(time.time() - t0, 1)
         print(f"[megatron_checks] {name}: {res['timings'][name]} s", flush=True)
 
+    if os.environ.get("HPCRL_CHECKS") == "long":  # only the long-sequence layouts (7. below)
+        from long_sequence_checks import long_sequence_checks
+
+        long_sequence_checks(workers, res, tmp, timed)
+        Path(out_path).write_text(json.dumps(res, indent=1))
+        return
     # 0. the independent reference PPO step, and the memory plan's terms against what an actor holds
     # (HPCRL_CHECKS=reference runs only these, HPCRL_CHECKS=plan only the second)
     if os.environ.get("HPCRL_CHECKS") != "plan":
@@ -720,6 +737,11 @@ def main() -> None:
 
     # 6. LoRA adapters (hpcrl.engines.megatron.lora) against peft
     lora_checks(layouts, res, tmp, timed)
+
+    # 7. long sequences: context parallel, sequence parallel, activation recompute
+    from long_sequence_checks import long_sequence_checks
+
+    long_sequence_checks(workers, res, tmp, timed)
 
     res["timings"]["total"] = round(time.time() - t_all, 1)
     Path(out_path).write_text(json.dumps(res, indent=1))

@@ -12,6 +12,14 @@ a branch of a shared prompt (hpcrl.engines.megatron.packing) attends to its pref
 positions after a row's last sequence (the tail padding) get zeros. Equal to the dense-mask result within float rounding
 (tests/test_megatron_engine.py). On CPU a bf16 / fp16 model attends in fp32 (faster there, and the
 output is the exact result rounded once).
+
+Context parallel (CP > 1): every sequence is padded to a multiple of 2 x CP and cut into 2 x CP
+equal chunks; CP rank r holds chunks r and 2 x CP - 1 - r (Megatron's load balancing for causal
+attention: every rank gets one early and one late chunk), laid out sequence after sequence
+(hpcrl.engines.megatron.context_parallel). The segments then are (local offset, padded length, 0, 0).
+Keys and values are all-gathered over the CP group (the backward reduce-scatters their gradients),
+each sequence's keys put back in order, and the local queries attend causally at their true
+positions: exact attention, the same numbers as CP = 1 up to float rounding.
 """
 
 from __future__ import annotations
@@ -53,6 +61,9 @@ class SequenceAttention(torch.nn.Module):
 
         tp = pg_collection.tp.size() if pg_collection is not None and hasattr(pg_collection, "tp") \
             else ps.get_tensor_model_parallel_world_size()
+        self.cp_group = pg_collection.cp if pg_collection is not None and hasattr(pg_collection, "cp") \
+            else ps.get_context_parallel_group(check_initialized=False)
+        self.cp = self.cp_group.size() if self.cp_group is not None else 1
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
             raise ValueError(f"attention dropout {dropout}: SequenceAttention has none (use the dense spec)")
@@ -76,6 +87,8 @@ class SequenceAttention(torch.nn.Module):
             # 2.55 ms in bf16, 1.09 ms cast to fp32 and back; the bf16 kernel's backward was 18% of
             # a bf16 update.
             query, key, value = query.float(), key.float(), value.float()
+        if self.cp > 1:
+            return self._context_parallel(query, key, value, attention_mask).to(out_dtype)
         rows = []
         # A row is cut into its segments with one split per tensor, never by slicing: the backward
         # of a slice allocates a zero tensor the size of the whole row per slice (3 per segment and
@@ -105,3 +118,39 @@ class SequenceAttention(torch.nn.Module):
                 pieces.append(query.new_zeros(t - end, self.heads, self.head_dim))
             rows.append(torch.cat(pieces))
         return torch.stack(rows, dim=1).reshape(t, b, self.heads * self.head_dim).to(out_dtype)
+
+    def _context_parallel(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          segments: torch.Tensor) -> torch.Tensor:
+        """Attention of this CP rank's chunks (module docstring): segments [B, K, 4] of (local offset,
+        padded sequence length, 0, 0)."""
+        from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+        t, b = query.shape[:2]
+        cp, rank = self.cp, self.cp_group.rank()
+        gqa = self.heads != self.groups
+        # [cp * T, B, groups, d]: rank j's local row at [j * T, (j + 1) * T)
+        keys, values = (gather_from_sequence_parallel_region(x.contiguous(), True, self.cp_group) for x in (key, value))
+        rows = []
+        for r in range(b):
+            pieces = []
+            end = 0
+            for off, padded, _, _ in segments[r].tolist():
+                if padded <= 0:
+                    continue
+                c = padded // (2 * cp)
+                # chunk i of the sequence sits on rank i (first half) or 2cp-1-i (second half), at the
+                # segment's local offset (+ c for the second half)
+                order = torch.cat([torch.arange(c) + (i if i < cp else 2 * cp - 1 - i) * t + off + (0 if i < cp else c)
+                                   for i in range(2 * cp)])
+                k, v = (x[order.to(x.device), r].transpose(0, 1)[None] for x in (keys, values))  # [1, g, L, d]
+                q = query[off:off + 2 * c, r].transpose(0, 1)[None]  # [1, heads, 2c, d]
+                pos = torch.cat([torch.arange(rank * c, (rank + 1) * c),
+                                 torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)]).to(q.device)
+                allowed = torch.arange(padded, device=q.device)[None, :] <= pos[:, None]
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=self.scale, enable_gqa=gqa)
+                pieces.append(o[0].transpose(0, 1))
+                end = off + 2 * c
+            if end < t:
+                pieces.append(query.new_zeros(t - end, self.heads, self.head_dim))
+            rows.append(torch.cat(pieces))
+        return torch.stack(rows, dim=1).reshape(t, b, self.heads * self.head_dim)

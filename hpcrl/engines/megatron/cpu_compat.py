@@ -7,6 +7,13 @@ megatron-core assumes CUDA in a few places that matter for training on CPU:
 - the pipeline schedules and DDP helpers create tensors with device="cuda" or
   torch.cuda.current_device().
 Each patch below replaces exactly one of these with its CPU equivalent.
+
+The tensor factories are redirected by a torch function mode (`_CudaToCpu`), but a mode is off
+while its own handler runs, and `torch.autograd.backward` goes through that handler: the backward
+of megatron's autograd functions runs without it. Those that allocate there (the all-gathers and
+reduce-scatters of sequence and context parallel) read `torch.cuda.current_device()` through their
+module's `torch`, which `_patch_backward_devices` points at a view of torch whose current device is
+the CPU.
 """
 
 from __future__ import annotations
@@ -45,6 +52,33 @@ def _patch_rng() -> None:
     torch.cuda.manual_seed = torch.manual_seed
 
 
+class _CpuCuda:
+    """torch.cuda with current_device() = "cpu"; everything else is torch.cuda's."""
+
+    @staticmethod
+    def current_device() -> str:
+        return "cpu"
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(torch.cuda, name)
+
+
+class _TorchOnCpu:
+    """The torch module as megatron's parallel layers see it: its `cuda` is `_CpuCuda`."""
+
+    cuda = _CpuCuda()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(torch, name)
+
+
+def _patch_backward_devices() -> None:
+    import megatron.core.tensor_parallel.layers as layers
+    import megatron.core.tensor_parallel.mappings as mappings
+
+    mappings.torch = layers.torch = _TorchOnCpu()
+
+
 def _is_cuda_device(d: object) -> bool:
     if isinstance(d, int):
         return True  # what torch.cuda.current_device() returns
@@ -77,6 +111,7 @@ def apply_cpu_compat() -> bool:
     no_compile_on_cpu()
     _patch_memory_buffer()
     _patch_rng()
+    _patch_backward_devices()
     torch.cuda.current_device = lambda: 0  # an int, mapped to the CPU by _CudaToCpu
     torch.cuda.synchronize = lambda *a, **k: None
     _CudaToCpu().__enter__()  # for the life of the process

@@ -4,6 +4,8 @@ that builds it and the map of where each job lives.
   engine.py      MegatronEngine: builds the model from the HF config and loads its weights, LoRA, the
                  value head; EngineOptions
   parallel.py    init_model_parallel: megatron's process groups (their one owner)
+  context_parallel.py  CP: each sequence's chunks on the CP ranks, per-token results gathered back
+  attention.py   the local spec's per-sequence attention (CP: keys and values gathered over CP)
   weights.py     weights in and out: HF / Megatron shards, adapters, HF export, offload
   forward.py     packed micro-batches, the forward schedule, log-probs, entropies, values
   train_step.py  one optimizer step over a mini-batch, metrics summed over ranks
@@ -43,12 +45,19 @@ class ValueHead(torch.nn.Module):
     Replicated on every TP rank: its input is replicated there, so its gradients agree without
     any reduction, like a norm weight."""
 
-    def __init__(self, hidden: int, dtype: torch.dtype):
+    def __init__(self, hidden: int, dtype: torch.dtype, sequence_parallel: bool = False):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(1, hidden, dtype=dtype))
         self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            # the whole sequence on every TP rank, as the vocabulary projection gathers it; the
+            # backward keeps this rank's slice of the gradient (the head is replicated, not split)
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
         return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
 
 
@@ -72,6 +81,10 @@ class EngineOptions:
     # the normalised input an adapter reads.
     lora: LoraSettings | None = None
     lora_adapters: str | None = None  # a PEFT LoRA folder to start the adapters from
+    # megatron's sequence parallel (TP > 1): norms and residuals on a 1/TP slice of the sequence
+    sequence_parallel: bool = False
+    # activation recompute: none | selective (core attention) | full (every layer from its input)
+    recompute: str = "none"
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -96,12 +109,25 @@ class MegatronEngine(WeightsMixin, ForwardMixin, TrainStepMixin, OptimizerMixin)
         self.pp_size = ps.get_pipeline_model_parallel_world_size()
         self.dp_rank = ps.get_data_parallel_rank()
         self.dp_size = ps.get_data_parallel_world_size()
+        # CP ranks share the data of their DP rank and hold the same weights: for gradients, metrics,
+        # writers and weight senders the copies of a stage are the DP x CP replicas (megatron's order:
+        # CP varies faster than DP)
+        self.cp_rank = ps.get_context_parallel_rank()
+        self.cp_size = ps.get_context_parallel_world_size()
+        self.replica_rank = self.cp_rank + self.cp_size * self.dp_rank
+        self.replicas = self.cp_size * self.dp_size
+        # the rank of a stage's DP replica that hands out per-sequence results (every CP rank has them)
+        self.is_output_rank = self.tp_rank == 0 and self.cp_rank == 0
+        if self.options.lora is not None and self.options.sequence_parallel:
+            raise ValueError("LoRA adapters with sequence parallel are not supported: turn "
+                             "actor.parallel.sequence_parallel off for LoRA runs")
         use_te = False if self.options.lora is not None else self.options.use_te
-        self.model = build_gpt_model(self.arch, self.options.dtype, use_te, self.options.attention)
+        self.model = build_gpt_model(self.arch, self.options.dtype, use_te, self.options.attention,
+                                     self.options.sequence_parallel, self.options.recompute)
         self.spec = self.model.hpcrl_spec
         if value_head and self.model.post_process:
-            self.model.output_layer = ValueHead(self.arch.hidden_size, self.options.dtype).to(
-                next(self.model.parameters()).device)
+            self.model.output_layer = ValueHead(self.arch.hidden_size, self.options.dtype,
+                                                self.options.sequence_parallel).to(next(self.model.parameters()).device)
         self.load_hf(model_path)
         self.lora: LoraState | None = None
         if self.options.lora is not None:

@@ -4,7 +4,12 @@ RoPE at each token's own position, and per-token log-probs, entropies and values
 
 `ForwardMixin` is part of `MegatronEngine` (hpcrl.engines.megatron.engine), which sets the attributes
 it reads: `model`, `options`, `spec`, `arch`, `value_head`, `tp_rank`, `tp_size`, `pp_size`,
-`_positions`, `_rope`, `_rope_by_position`.
+`_positions`, `_rope`, `_rope_by_position`, `cp_rank`, `cp_size`.
+
+Context parallel (hpcrl.engines.megatron.context_parallel): a micro-batch is packed whole, every
+sequence padded to 2 x CP places, and each CP rank runs its part; per-token results are gathered
+back over the CP group. Sequence parallel: a row's length is a multiple of TP (megatron scatters the
+sequence over the TP ranks between the tensor-parallel layers).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import Any
 import torch
 
 from hpcrl.engines.megatron.attention import segments_of
+from hpcrl.engines.megatron.context_parallel import gather_row_values, local_part, padded_length
 from hpcrl.engines.megatron.packing import (
     PackedMicroBatch,
     Unit,
@@ -28,12 +34,29 @@ from hpcrl.engines.megatron.packing import (
 )
 
 
-def thd_params(mb: PackedMicroBatch, device: Any):
+def thd_params(mb: PackedMicroBatch, device: Any, cp: int = 1):
     """Transformer Engine's packed-sequence description of a one-row micro-batch: cumulative
     sequence boundaries (the tail padding is one more segment), so attention and RoPE restart at
-    every sequence."""
+    every sequence. With CP: of the whole row (a CP part's `full`), real and padded lengths, as TE's
+    context-parallel attention takes them (each rank holds chunks r and 2 x CP - 1 - r of every
+    sequence, the layout of hpcrl.engines.megatron.context_parallel)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
+    if cp > 1:
+        full = mb.full
+        if full.tokens.shape[0] != 1:
+            raise ValueError("context parallel with Transformer Engine needs packed micro-batches (actor.packing)")
+        real, padded = [0], [0]
+        for p in sorted(full.placement, key=lambda p: p.offset):
+            real.append(real[-1] + p.length)
+            padded.append(padded[-1] + padded_length(p.length, cp))
+        if padded[-1] < full.tokens.shape[1]:  # the tail padding: a sequence of its own
+            real.append(real[-1] + full.tokens.shape[1] - padded[-1])
+            padded.append(full.tokens.shape[1])
+        cu, cu_padded = (torch.tensor(x, dtype=torch.int32, device=device) for x in (real, padded))
+        longest = int((cu_padded[1:] - cu_padded[:-1]).max())
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=cu_padded,
+                               cu_seqlens_kv_padded=cu_padded, max_seqlen_q=longest, max_seqlen_kv=longest)
     bounds = [0]
     for p in mb.placement:
         assert not p.start, "Transformer Engine's packed attention cannot share a prefix"
@@ -55,8 +78,10 @@ class ForwardMixin:
         [T, B, h]. Log-probs and losses are needed at response tokens only, and the projection and
         the log-softmax over the vocabulary cost about a fifth of a small model's compute and its
         largest activations. Not with sequence parallelism (the output layer's input is split)."""
+        self._selects_positions = False
         if not self.model.post_process or self.value_head or self.model.config.sequence_parallel:
             return
+        self._selects_positions = True
         layer = self.model.output_layer
         project = layer.forward
 
@@ -86,7 +111,8 @@ class ForwardMixin:
             if state["positions"] is None:
                 return by_place(max_seq_len, *args, **kwargs)
             pos = state["positions"].t()  # [T, B]
-            emb = by_place(int(pos.max()) + 1, *args, **kwargs)  # [S, 1, 1, d]
+            # packed_seq: the whole table, never megatron's CP slice of it (positions pick the rows)
+            emb = by_place(int(pos.max()) + 1, *args, **{**kwargs, "packed_seq": True})  # [S, 1, 1, d]
             return emb[:, 0, 0][pos.to(emb.device)].unsqueeze(2)  # [T, B, 1, d]
 
         rope.forward = forward
@@ -110,7 +136,9 @@ class ForwardMixin:
 
     def _micro_batches(self, seqs: list[torch.Tensor], token_fields: dict[str, list[torch.Tensor]] | None = None
                        ) -> list[PackedMicroBatch]:
-        lengths = [int(s.numel()) for s in seqs]
+        cp = self.cp_size
+        # places a sequence takes in a row: with CP a multiple of 2 x CP (its chunks)
+        lengths = [int(s.numel()) if cp == 1 else padded_length(int(s.numel()), cp) for s in seqs]
         if self.options.packing:
             units = self._units(seqs, token_fields)
             groups = plan_micro_batches([unit_length(u, lengths) for u in units], self.options.micro_batch_tokens)
@@ -125,10 +153,17 @@ class ForwardMixin:
 
         # pipeline stages exchange fixed-size activations: with PP every micro-batch has one shape;
         # without PP each is only as long as its longest row
+        # a row's length: a multiple of 2 x CP (whole chunks) and, with SP, its CP part a multiple of TP
+        multiple = (2 * cp if cp > 1 else 1) * (self.tp_size if self.model.config.sequence_parallel else 1)
+
+        def row_length(n: int) -> int:
+            return -(-n // multiple) * multiple
+
         common = max(longest_row(rows) for rows in rows_of)
         dense = self.model.hpcrl_attention == "dense"
-        return [pack(seqs, rows, common if self.pp_size > 1 else longest_row(rows), token_fields, dense_mask=dense)
-                for rows in rows_of]
+        mbs = [pack(seqs, rows, row_length(common if self.pp_size > 1 else longest_row(rows)), token_fields,
+                    dense_mask=dense, align=2 * cp if cp > 1 else 1) for rows in rows_of]
+        return mbs if cp == 1 else [local_part(mb, cp, self.cp_rank) for mb in mbs]
 
     def _units(self, seqs: list[torch.Tensor], token_fields: dict[str, list[torch.Tensor]] | None) -> list[Unit]:
         """What the packed rows hold: the sequences, with the samples of one prompt sharing it
@@ -137,7 +172,8 @@ class ForwardMixin:
         needed = fields.get("loss_weight", fields.get("positions"))
         # the local spec's attention takes the branch layout (TE's packed attention does not), and a
         # branch needs RoPE at its tokens' own positions (another position embedding: no sharing)
-        shares = self.options.share_prompt and self.spec == "local" and self._rope_by_position
+        # (nor with CP: a rank's chunks of a branch would need its prefix's chunks on other ranks)
+        shares = self.options.share_prompt and self.spec == "local" and self._rope_by_position and self.cp_size == 1
         if not shares or needed is None:
             return list(range(len(seqs)))
         first = []
@@ -159,15 +195,18 @@ class ForwardMixin:
         def forward_step(it: Iterator[PackedMicroBatch], model: torch.nn.Module):
             mb = next(it)
             # read by the output layer of this micro-batch's forward and by its loss function
-            self._positions = positions(mb) if positions is not None else None
-            self._rope["positions"] = mb.position_ids if shares_prefixes(mb) else None
+            # (where the output layer runs at every position, e.g. under SP, the callers mask instead)
+            self._positions = positions(mb) if positions is not None and self._selects_positions else None
+            # with CP a rank's tokens are chunks from all over each sequence: RoPE by their positions
+            # (TE's THD path rotates each sequence's chunks itself, from the cumulative lengths)
+            self._rope["positions"] = mb.position_ids if shares_prefixes(mb) or (self.cp_size > 1 and not te) else None
             tokens, positions_ids = mb.tokens.to(device), mb.position_ids.to(device)
             if not te:  # local spec: the sequences' segments (or the dense block mask) carry the packing
                 mask = (mb.attention_mask if mb.attention_mask is not None
                         else segments_of(mb.placement, mb.tokens.shape[0]))
                 out = model(tokens, positions_ids, mask.to(device))
-            elif len(mb.placement) > mb.tokens.shape[0]:  # TE, packed: THD layout with per-sequence RoPE
-                out = model(tokens, positions_ids, None, packed_seq_params=thd_params(mb, device))
+            elif len(mb.placement) > mb.tokens.shape[0] or self.cp_size > 1:  # TE, packed: THD, per-sequence RoPE
+                out = model(tokens, positions_ids, None, packed_seq_params=thd_params(mb, device, self.cp_size))
             else:  # TE, one right-padded sequence per row: plain causal attention is exact
                 out = model(tokens, positions_ids, None)
             selected = self._positions
@@ -179,9 +218,10 @@ class ForwardMixin:
             return out, loss
 
         b, t = mbs[0].tokens.shape
+        # seq_length: the whole row (megatron divides it by CP, and by TP with SP, for the stages' shapes)
         return get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=iter(mbs), model=self.model,
-            num_microbatches=len(mbs), seq_length=t, micro_batch_size=b, forward_only=forward_only)
+            num_microbatches=len(mbs), seq_length=t * self.cp_size, micro_batch_size=b, forward_only=forward_only)
 
     def token_logprobs(self, logits: torch.Tensor, mb: PackedMicroBatch, temperature: float = 1.0) -> torch.Tensor:
         """log p(label) per position from vocab-parallel logits [B, T, V/TP] -> [B, T], under the
@@ -209,6 +249,8 @@ class ForwardMixin:
 
         def loss_fn(output: torch.Tensor, mb: PackedMicroBatch):
             v = per_token(output, mb)
+            if select is not None and not self._selects_positions:  # every position computed: 0 elsewhere
+                v = v * select(mb).to(v.device)
             return v.sum() * 0.0, torch.tensor(1), {"values": v.detach().cpu(), "mb": mb}
 
         fields = {"positions": [p.float() for p in positions]} if positions is not None else None
@@ -218,7 +260,12 @@ class ForwardMixin:
             return None
         out: dict[int, torch.Tensor] = {}
         for item in store:
-            out.update(unpack_token_values(item["values"], item["mb"]))
+            values, mb = item["values"], item["mb"]
+            if self.cp_size > 1:  # every CP rank's part, in the row's order (a CP collective)
+                from megatron.core import parallel_state as ps
+
+                values, mb = gather_row_values(values, mb, ps.get_context_parallel_group()), mb.full
+            out.update(unpack_token_values(values, mb))
         return [out[i].clone() for i in range(len(seqs))]
 
     @torch.no_grad()
@@ -237,6 +284,12 @@ class ForwardMixin:
         Returned on the last pipeline stage (every TP rank of it); other stages return None."""
         return self._forward_collect(seqs, lambda output, mb: self.token_logprobs(output, mb, temperature),
                                      positions)
+
+    @torch.no_grad()
+    def compute_entropy(self, seqs: list[torch.Tensor], temperature: float = 1.0) -> list[torch.Tensor] | None:
+        """Per-position entropy of softmax(logits / temperature) (entry t: of the distribution of
+        seq[t+1]); last pipeline stage only."""
+        return self._forward_collect(seqs, lambda output, mb: self._spread(self.token_entropy(output, temperature), mb))
 
     def token_entropy(self, logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """Entropy of softmax(logits / temperature) over the full vocabulary per position, from

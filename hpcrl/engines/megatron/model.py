@@ -92,7 +92,26 @@ def transformer_engine_available() -> bool:
     return True
 
 
-def transformer_config(arch: ModelArch, tp: int, pp: int, dtype: torch.dtype, on_gpu: bool):
+RECOMPUTE = ("none", "selective", "full")
+
+
+def recompute_settings(recompute: str) -> dict[str, Any]:
+    """megatron's activation-recompute settings for hpcrl's `recompute` key.
+
+    selective: the core attention (its [heads, T, T]-sized intermediates) is recomputed in the backward
+    from its q, k, v; full: each transformer layer keeps only its input and is run again in the
+    backward (megatron's granularity full, method uniform, one layer per checkpoint)."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute={recompute!r}: one of {', '.join(RECOMPUTE)}")
+    if recompute == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    if recompute == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    return {}
+
+
+def transformer_config(arch: ModelArch, tp: int, pp: int, dtype: torch.dtype, on_gpu: bool, cp: int = 1,
+                       sequence_parallel: bool = False, recompute: str = "none"):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -112,6 +131,8 @@ def transformer_config(arch: ModelArch, tp: int, pp: int, dtype: torch.dtype, on
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
+        sequence_parallel=sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
@@ -128,35 +149,66 @@ def transformer_config(arch: ModelArch, tp: int, pp: int, dtype: torch.dtype, on
         # the loss function returns (sum, tokens, ...) with the global normalisation already applied
         calculate_per_token_loss=True,
         variable_seq_lengths=False,
+        **recompute_settings(recompute),
     )
 
 
+class SequenceParallelRMSNorm(torch.nn.RMSNorm):
+    """RMSNorm for megatron's local spec under sequence parallelism (its own torch-norm wrapper refuses
+    SP). The norm runs on this rank's slice of the sequence; its weight is replicated over TP, so its
+    gradient is a partial sum that the engine all-reduces over TP (the `sequence_parallel` mark, as
+    megatron's own norms carry it)."""
+
+    def __init__(self, config: Any, hidden_size: int, eps: float = 1e-5, persist_layer_norm: bool = False,
+                 zero_centered_gamma: bool = False, normalization: str = "RMSNorm"):
+        if config.normalization != "RMSNorm":
+            raise ValueError(f"sequence parallel on the local spec supports RMSNorm, not {config.normalization}")
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = True
+
+
 def build_gpt_model(arch: ModelArch, dtype: torch.dtype = torch.float32, use_te: bool | None = None,
-                    attention: str = "per_sequence"):
-    """A GPTModel for this rank's pipeline stage and tensor shard (parallel_state must be set up).
+                    attention: str = "per_sequence", sequence_parallel: bool = False, recompute: str = "none"):
+    """A GPTModel for this rank's pipeline stage, tensor shard and context-parallel slice
+    (parallel_state must be set up).
 
     attention (local spec only): per_sequence (hpcrl.engines.megatron.attention, the attention mask
     argument is then the packing's segments) or dense (megatron's DotProductAttention with a
-    block-diagonal mask)."""
+    block-diagonal mask). sequence_parallel: megatron's SP (TP > 1). recompute: none | selective |
+    full (`recompute_settings`)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     on_gpu = torch.cuda.is_available()
     if use_te is None:
         use_te = transformer_engine_available()
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
-    config = transformer_config(arch, tp, pp, dtype, on_gpu)
+    cp = ps.get_context_parallel_world_size()
+    if sequence_parallel and tp == 1:
+        raise ValueError("sequence parallel needs tensor parallel > 1 (it shards the sequence over the TP ranks)")
+    config = transformer_config(arch, tp, pp, dtype, on_gpu, cp, sequence_parallel, recompute)
     spec = (get_gpt_layer_with_transformer_engine_spec() if use_te
             else get_gpt_layer_local_spec(normalization="RMSNorm"))
-    if not use_te and attention == "per_sequence":
-        from hpcrl.engines.megatron.attention import SequenceAttention
+    if not use_te:
+        if cp > 1 and attention != "per_sequence":
+            raise ValueError(f"context parallel {cp} needs the per_sequence attention (model.local_attention), "
+                             f"not {attention!r}")
+        if attention == "per_sequence":
+            from hpcrl.engines.megatron.attention import SequenceAttention
 
-        spec.submodules.self_attention.submodules.core_attention = SequenceAttention
+            spec.submodules.self_attention.submodules.core_attention = SequenceAttention
+        if sequence_parallel:
+            spec.submodules.input_layernorm = SequenceParallelRMSNorm
+            spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+            # the block's final norm too: megatron would build its torch-norm wrapper there
+            spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
+                                              layer_norm=SequenceParallelRMSNorm)
     model = GPTModel(
         config=config,
         transformer_layer_spec=spec,

@@ -73,8 +73,11 @@ class OptimizerMixin:
         from megatron.core import parallel_state as ps
 
         # (fewer tensors than DP ranks would leave a rank with nothing to step: not cut then)
-        if optim.shard_over_dp and 1 < self.dp_size <= len(self.trainable):
-            self.shards = OptimizerShards([p.numel() for p in self.trainable], ps.get_data_parallel_group())
+        # over the DP x CP replicas (as megatron's distributed optimizer): CP ranks hold the same
+        # weights and gradients, so CP cuts the state per rank as DP does
+        if optim.shard_over_dp and 1 < self.replicas <= len(self.trainable):
+            self.shards = OptimizerShards([p.numel() for p in self.trainable],
+                                          ps.get_data_parallel_group(with_context_parallel=True))
         owned = [self.steps_here(i) for i in range(len(self.trainable))]
         params = [p for p, mine in zip(self.trainable, owned, strict=True) if mine]
         if self.options.dtype != torch.float32:
@@ -119,7 +122,7 @@ class OptimizerMixin:
         return sum(t.numel() * t.element_size() for t in state + masters)
 
     def gather_optimizer_state(self) -> dict[int, dict[str, torch.Tensor]] | None:
-        """With the state sharded over DP (collective over the DP group): on DP rank 0, the optimizer
+        """With the state sharded over DP (x CP; collective over that group): on replica 0, the optimizer
         state of the trainable parameters other ranks step, by index, with their fp32 master under
         "master"; None on the other ranks, and everywhere when this rank steps every parameter."""
         if self.shards is None or self.optimizer is None:
@@ -186,7 +189,7 @@ class OptimizerMixin:
         return finite
 
     def _finish_grads(self) -> None:
-        """Sum gradients over DP, and tie the embedding's two copies when PP splits them."""
+        """Sum gradients over DP (and CP; SP norms over TP), and tie the embedding's two copies when PP splits them."""
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
@@ -194,11 +197,18 @@ class OptimizerMixin:
         for p in params:
             if self._grad(p) is None:
                 p.grad = torch.zeros_like(p)
-        if self.dp_size > 1:
+        if self.tp_size > 1 and self.model.config.sequence_parallel:
+            # a norm weight under SP saw only this rank's slice of the sequence: sum the TP partials
+            tp_group = ps.get_tensor_model_parallel_group()
+            for work in [dist.all_reduce(self._grad(p), group=tp_group, async_op=True) for p in params
+                         if getattr(p, "sequence_parallel", False)]:
+                work.wait()
+        if self.replicas > 1:
             # Each gradient in place, all queued at once: no flat copy. A fresh flat buffer of the
             # model's size is a model's worth of page faults per step on CPU: flattening the demo
             # model's 540 MB of gradients took 1.5 s of its 2 workers' optimizer steps (py-spy).
-            group = ps.get_data_parallel_group()
+            # Summed over DP and CP: a CP rank's loss is its tokens' share of the mini-batch's.
+            group = ps.get_data_parallel_group(with_context_parallel=True)
             for work in [dist.all_reduce(self._grad(p), group=group, async_op=True) for p in params]:
                 work.wait()
         if self.arch.tie_word_embeddings and self.pp_size > 1 and ps.is_rank_in_embedding_group():

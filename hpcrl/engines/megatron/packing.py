@@ -130,10 +130,13 @@ class PackedMicroBatch:
 
 
 def pack(seqs: list[torch.Tensor], rows: list[list[Unit]], length: int,
-         token_fields: dict[str, list[torch.Tensor]] | None = None, dense_mask: bool = True) -> PackedMicroBatch:
+         token_fields: dict[str, list[torch.Tensor]] | None = None, dense_mask: bool = True,
+         align: int = 1) -> PackedMicroBatch:
     """Lay out seqs into len(rows) rows of `length` tokens: row r holds the units rows[r] back to
     back (a sequence index, or sequences sharing a prefix: see the module docstring). Packing is
-    one row with many sequences; the padded baseline is one sequence per row.
+    one row with many sequences; the padded baseline is one sequence per row. align > 1: each
+    sequence takes a multiple of `align` places, padding after it (context parallel cuts every
+    sequence into 2 x CP equal chunks; plain sequences only).
 
     token_fields: per-sequence tensors of length len(seq) - 1 aligned with the *predicted* tokens
     (entry t belongs to the prediction of token t+1); they are laid out like labels."""
@@ -172,6 +175,12 @@ def pack(seqs: list[torch.Tensor], rows: list[list[Unit]], length: int,
                     extra[k][r, pos:pos + n - 1] = v[i][f:]
                 placement.append(Placement(i, r, pos, n, f, prefix))
                 pos += n
+                if align > 1:
+                    assert not f, "aligned sequences cannot share a prefix"
+                    pad = -pos % align
+                    if mask is not None:  # padding attends to itself only
+                        mask[r, torch.arange(pos, pos + pad), torch.arange(pos, pos + pad)] = False
+                    pos += pad
         if mask is not None:  # padding attends to itself only, so no softmax row is empty
             idx = torch.arange(pos, length)
             mask[r, idx, idx] = False

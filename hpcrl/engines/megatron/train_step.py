@@ -1,6 +1,6 @@
 """The engine's update: one optimizer step over this rank's part of a mini-batch (loss over packed
 micro-batches, gradients reduced and clipped, the step taken or skipped), with the metrics summed over
-micro-batches, DP ranks and pipeline stages.
+micro-batches, DP (and CP) ranks and pipeline stages.
 
 `TrainStepMixin` is part of `MegatronEngine` (hpcrl.engines.megatron.engine); it calls the forward
 (`ForwardMixin`) and optimizer (`OptimizerMixin`) parts.
@@ -87,6 +87,8 @@ class TrainStepMixin:
         last, pp_group = ps.get_pipeline_model_parallel_last_rank(), ps.get_pipeline_model_parallel_group()
         dist.broadcast(vec, src=last, group=pp_group)
         sums, maxes = vec.clone(), vec.clone()
-        dist.all_reduce(sums, group=ps.get_data_parallel_group())
-        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+        # DP x CP: a CP rank's sums are its tokens' share
+        replicas = ps.get_data_parallel_group(with_context_parallel=True)
+        dist.all_reduce(sums, group=replicas)
+        dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=replicas)
         return dict(zip(keys, torch.where(is_max, maxes, sums).tolist(), strict=True))

@@ -40,6 +40,9 @@ class SamplingSettings:
     top_p: float = 1.0
     top_k: int = -1  # -1 (or 0): no top-k cut
     max_new_tokens: int = 256
+    # no end of sequence (EOS or stop string) before this many tokens (vLLM's min_tokens): e.g. samples
+    # of a known length to exercise long sequences with a model that would stop early
+    min_new_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     # Sample j of the prompt with global index i draws from its own random stream, seeded
     # seed + i * n + j: no two samples of one call share a stream, and the streams do not depend
@@ -49,6 +52,7 @@ class SamplingSettings:
     @classmethod
     def from_rollout_config(cls, rollout: dict[str, Any], **overrides: Any) -> SamplingSettings:
         base = {k: rollout[k] for k in ("n", "temperature", "top_p", "top_k", "max_new_tokens", "stop")}
+        base["min_new_tokens"] = int(rollout.get("min_new_tokens") or 0)
         base.update(overrides)
         return cls(**base)
 
@@ -212,6 +216,7 @@ class RolloutEngine:
 
         return SamplingParams(n=1, temperature=sampling.temperature, top_p=sampling.top_p,
                               top_k=sampling.top_k if sampling.top_k > 0 else 0, max_tokens=max_tokens,
+                              min_tokens=min(sampling.min_new_tokens, max_tokens),
                               stop=list(sampling.stop) or None, logprobs=0, seed=seed)
 
     @staticmethod
