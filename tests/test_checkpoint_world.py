@@ -96,7 +96,7 @@ def test_async_save_equals_sync_save(checks: dict) -> None:
 def test_tp2_save_loads_at_tp1(checks: dict) -> None:
     c = checks["load_C"]
     assert c["converted"] is True and c["rng"] == "reseeded" and c["step_count"] == 2
-    assert c["saved_layout"]["tp"] == 2 and c["layout"] == {"tp": 1, "pp": 1, "dp": WORKERS}
+    assert c["saved_layout"]["tp"] == 2 and c["layout"] == {"tp": 1, "pp": 1, "dp": WORKERS, "cp": 1}
     assert checks["C_logprob_vs_A"] < 1e-5
     # weights, AdamW moments and steps converted exactly: joined back to HF tensors they are equal
     d = checks["C_vs_A_hf_state"]
@@ -110,7 +110,7 @@ def test_tp2_save_loads_at_tp1(checks: dict) -> None:
 
 def test_tp2_save_loads_at_pp2_with_tied_embeddings(checks: dict) -> None:
     p = checks["load_P"]
-    assert p["converted"] is True and p["layout"] == {"tp": 1, "pp": 2, "dp": WORKERS // 2}
+    assert p["converted"] is True and p["layout"] == {"tp": 1, "pp": 2, "dp": WORKERS // 2, "cp": 1}
     assert checks["P_logprob_vs_A"] < 1e-5
     assert checks["P_files"] == ["actor/pp0_tp0.json", "actor/pp0_tp0.safetensors", "actor/pp1_tp0.json",
                                  "actor/pp1_tp0.safetensors"]
