@@ -29,7 +29,7 @@ def problems_of(*overrides: str, path: str = TINY, check_paths: bool = True) -> 
 
 @pytest.mark.parametrize("recipe,check_paths", [
     ("grpo_tiny.yaml", True), ("grpo_smollm2.yaml", True), ("ppo_70b.yaml", False), ("grpo_tools_tiny.yaml", True),
-    ("grpo_tools_smollm2.yaml", True), ("grpo_long_tiny.yaml", True)])
+    ("grpo_tools_smollm2.yaml", True), ("grpo_long_tiny.yaml", True), ("grpo_tiny_moe.yaml", True)])
 def test_shipped_recipes_validate(recipe: str, check_paths: bool) -> None:
     preflight(load_config(REPO / "configs" / recipe), check_paths=check_paths)
 
@@ -286,9 +286,34 @@ LONG_SEQUENCE_CASES = [
      "key": "actor.parallel.context_parallel=2", "says": "not with algorithm.name=dpo"},
 ]
 
+# Mixture of experts: expert parallel, the routers' losses, routing replay. grpo_tiny's model is dense
+# (no num_experts), its layout TP=2 on 4 workers: DP x CP = 2.
+MOE_CASES = [
+    {"overrides": ["actor.parallel.expert_parallel=4"], "key": "actor.parallel.expert_parallel=4",
+     "says": "does not divide the actor's DP x CP = 2 (the 4 trainer workers / TP=2 x PP=1)"},
+    {"overrides": ["actor.parallel.tensor_parallel=1", "actor.parallel.context_parallel=2",
+                   "actor.parallel.expert_parallel=3"], "key": "actor.parallel.expert_parallel=3",
+     "says": "Use expert_parallel in {1, 2, 4}"},
+    {"overrides": ["actor.parallel.expert_parallel=0"], "key": "actor.parallel.expert_parallel", "says": ">= 1"},
+    {"overrides": ["actor.moe.aux_loss_coeff=-0.01"], "key": "actor.moe.aux_loss_coeff", "says": ">= 0"},
+    {"overrides": ["algorithm.adv_estimator=gae", "critic.moe.z_loss_coeff=-1e-3"], "key": "critic.moe.z_loss_coeff",
+     "says": ">= 0"},
+    # the colocated roles share megatron's process groups, the expert-parallel ones too
+    {"overrides": ["reference.enable=true", "reference.parallel.tensor_parallel=2",
+                   "reference.parallel.expert_parallel=2"], "key": "reference.parallel",
+     "says": "TP=2 PP=1 EP=2 differs from actor.parallel (TP=2 PP=1 EP=1)"},
+    # the MoE keys with a dense model
+    {"overrides": ["actor.parallel.expert_parallel=2"], "key": "actor.parallel.expert_parallel=2",
+     "says": "is dense (no num_experts in its config.json)"},
+    {"overrides": ["actor.moe.aux_loss_coeff=0.01"], "key": "actor.moe.aux_loss_coeff=0.01", "says": "is dense"},
+    {"overrides": ["actor.moe.z_loss_coeff=0.001"], "key": "actor.moe.z_loss_coeff=0.001", "says": "is dense"},
+    {"overrides": ["algorithm.adv_estimator=gae", "critic.moe.aux_loss_coeff=0.01"],
+     "key": "critic.moe.aux_loss_coeff=0.01", "says": "is dense"},
+]
+ALL_CASES = CATALOGUE + LONG_SEQUENCE_CASES + MOE_CASES
 
-@pytest.mark.parametrize("case", CATALOGUE + LONG_SEQUENCE_CASES,
-                         ids=[" ".join(c["overrides"]) for c in CATALOGUE + LONG_SEQUENCE_CASES])
+
+@pytest.mark.parametrize("case", ALL_CASES, ids=[" ".join(c["overrides"]) for c in ALL_CASES])
 def test_malformed_config_is_refused_naming_the_key(case: dict, capsys: pytest.CaptureFixture[str]) -> None:
     """Through the command's entry point (`hpcrl config`, in this process): exit status 2, nothing on
     stdout, and a problem line on stderr that starts with the key and says what is wrong."""
@@ -419,3 +444,99 @@ def test_options_go_before_or_after_the_overrides(capsys: pytest.CaptureFixture[
     # sub-commands of sub-commands still parse (argparse cannot intermix those: plain parsing)
     args = parser.parse_args(["ckpt", "verify", "runs/x", "--step", "3"])
     assert (args.ckpt_command, args.run_dir, args.step) == ("verify", "runs/x", 3)
+
+
+# A Qwen3-MoE-like config.json (tiny: 2 layers, 4 heads / 2 KV heads, 8 experts of 64, top 2): the
+# preflight reads only config.json, so a folder holding it is a model folder to `hpcrl config`.
+QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 128,
+             "intermediate_size": 512, "moe_intermediate_size": 64, "num_experts": 8, "num_experts_per_tok": 2,
+             "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 32, "num_hidden_layers": 2, "max_position_embeddings": 4096,
+             "vocab_size": 512, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": True}
+QWEN3 = {k: v for k, v in QWEN3_MOE.items() if k not in ("moe_intermediate_size", "num_experts", "num_experts_per_tok",
+                                                          "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")}
+QWEN3.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
+
+
+def hf_folder(tmp_path, name: str, hf: dict, **changes) -> str:
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**hf, **changes}))
+    return str(folder)
+
+
+def test_moe_layouts_print_ep_only_when_used(tmp_path) -> None:
+    from hpcrl.config import Layout
+
+    assert str(Layout(2, 1, 2, ep=2)) == "TP=2 PP=1 EP=2 DP=2"
+    assert str(Layout(1, 1, 2, 2, True, 4)) == "TP=1 PP=1 CP=2 EP=4 DP=2 SP"
+    assert Layout(2, 1, 2) == Layout(2, 1, 2, ep=1) and str(Layout(2, 1, 2, ep=1)) == "TP=2 PP=1 DP=2"
+    moe = hf_folder(tmp_path, "moe", QWEN3_MOE)
+    lay = role_layouts(load_config(TINY, [f"model.path={moe}", "actor.parallel.expert_parallel=2",
+                                          "actor.use_kl_loss=true", "actor.kl_loss_coef=0.01"]))
+    assert lay["actor"] == Layout(2, 1, 2, ep=2) and lay["reference"] == lay["actor"]  # colocated: the actor's
+    assert role_layouts(load_config(TINY))["actor"].ep == 1
+
+
+def test_moe_model_with_the_moe_keys_validates(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An MoE model takes the routers' losses in every trained role, TP with sequence parallel, and
+    TP=1; a dense Qwen3 takes the defaults. (Expert parallel > 1: refused for runs, MOE_MODEL_CASES.)"""
+    moe = hf_folder(tmp_path, "moe", QWEN3_MOE)
+    for overrides in (
+            ["actor.parallel.sequence_parallel=true", "actor.moe.aux_loss_coeff=0.001",
+             "actor.moe.z_loss_coeff=0.001"],
+            ["actor.parallel.tensor_parallel=1", "actor.ppo_mini_batch_size=8"],
+            ["actor.parallel.tensor_parallel=1", "actor.parallel.context_parallel=2"],
+            ["algorithm.adv_estimator=gae", "actor.parallel.sequence_parallel=true",
+             "critic.parallel.tensor_parallel=2", "critic.parallel.sequence_parallel=true",
+             "critic.moe.aux_loss_coeff=0.01"]):
+        preflight(load_config(TINY, [f"model.path={moe}", *overrides]))
+    preflight(load_config(TINY, [f"model.path={hf_folder(tmp_path, 'dense', QWEN3)}"]))
+    assert cli_main(["plan", TINY, f"model.path={moe}", "actor.parallel.sequence_parallel=true"]) == 0
+    assert "actor       TP=2 PP=1 DP=2 SP" in capsys.readouterr().out
+
+
+# (folder's config.json, overrides, the key the problem starts with, words it says)
+MOE_MODEL_CASES = [
+    ({"architectures": ["GemmaForCausalLM"]}, [], "model.path=",
+     "architecture 'GemmaForCausalLM' (config.json's architectures) is not one hpcrl converts: LlamaForCausalLM, "),
+    # DP x CP = 4 with TP=1: EP=4 divides it, not the 6 experts
+    ({"num_experts": 6}, ["actor.parallel.tensor_parallel=1", "actor.parallel.expert_parallel=4"],
+     "actor.parallel.expert_parallel=4", "the model has 6 experts per MoE layer (num_experts); EP must divide them, "
+     "and the actor's DP x CP = 4. Use expert_parallel in {1, 2}."),
+    ({"num_experts": 6}, ["reference.enable=true", "reference.parallel.tensor_parallel=1",
+                          "reference.parallel.expert_parallel=4", "actor.parallel.tensor_parallel=1",
+                          "actor.parallel.expert_parallel=4"], "reference.parallel.expert_parallel=4", "6 experts"),
+    ({"mlp_only_layers": [0]}, [], "model.path=", "MoE on some layers only (mlp_only_layers=[0]"),
+    ({"decoder_sparse_step": 2}, [], "model.path=", "hpcrl supports MoE models whose every layer is MoE"),
+    ({"shared_expert_intermediate_size": 256}, [], "model.path=",
+     "shared experts (shared_expert_intermediate_size=256) are not supported yet"),
+    # megatron's MoE layer trains at TP > 1 with sequence parallel only
+    ({}, [], "actor.parallel.sequence_parallel=false", "trains at tensor parallel 2 with sequence parallel only"),
+    # expert parallel: the engine has it, the weight sync and checkpoints not yet
+    ({}, ["actor.parallel.tensor_parallel=1", "actor.parallel.expert_parallel=2"], "actor.parallel.expert_parallel=2",
+     "do not carry experts split over EP ranks yet"),
+]
+
+
+@pytest.mark.parametrize("changes,overrides,key,says", MOE_MODEL_CASES,
+                         ids=[" ".join([json.dumps(c[0]), *c[1]]) for c in MOE_MODEL_CASES])
+def test_moe_model_problems_name_the_key(tmp_path, capsys: pytest.CaptureFixture[str], changes: dict,
+                                         overrides: list[str], key: str, says: str) -> None:
+    """The MoE model's shape against the keys, through `hpcrl config`: exit 2, the key, what to do."""
+    moe = hf_folder(tmp_path, "model", QWEN3_MOE, **changes)
+    status = cli_main(["config", TINY, f"model.path={moe}", *overrides])
+    out, err = capsys.readouterr()
+    assert status == 2 and out == "" and "Traceback" not in err, (status, out[-500:], err)
+    named = [line for line in err.splitlines() if line.startswith(f"  - {key}")]
+    assert named and says in named[0], err
+    if key == "model.path=":
+        assert f"model.path={moe!r}" in named[0], named
+
+
+def test_dense_qwen3_refuses_each_moe_key(tmp_path) -> None:
+    dense = hf_folder(tmp_path, "dense", QWEN3)
+    problems = problems_of(f"model.path={dense}", "actor.parallel.expert_parallel=2", "actor.moe.aux_loss_coeff=0.01")
+    assert [p.split("=")[0] for p in problems] == ["actor.parallel.expert_parallel", "actor.moe.aux_loss_coeff"], \
+        problems
+    assert all(f"the model (model.path={dense!r}) is dense" in p for p in problems), problems

@@ -427,3 +427,66 @@ def test_checkpoint_saved_at_cp2_resumes_at_cp1_and_back(checks: dict) -> None:
     for key, (got, want) in back["next"].items():
         assert got == pytest.approx(want, rel=1e-5, abs=1e-7), (key, back)
     assert back["update_rel"] < FP32_REL, back
+
+
+# Qwen3 and Qwen3-MoE (tests/programs/moe_checks.py, in the same world). fp32 log-probs of the
+# tiny models match HF within 9.5e-7 at every layout (measured); the bound leaves 100x.
+MOE_LOGPROB_ABS = 1e-4
+
+
+def moe_results(checks: dict) -> dict:
+    if WORKERS % 4:
+        pytest.skip(f"HPCRL_TEST_WORKERS={WORKERS}: the expert layouts need a multiple of 4 workers")
+    return checks["moe"]
+
+
+def test_qwen3_and_qwen3_moe_logprobs_match_hf_at_every_layout(checks: dict) -> None:
+    """HF -> Megatron conversion of the q/k norms, the router and the experts, at TP, PP and EP."""
+    lp = moe_results(checks)["logprob"]
+    assert sorted(lp) == sorted(["qwen3-1x1", "qwen3-2x1", "qwen3-1x2", "qwen3-moe-1x1", "qwen3-moe-2x1",
+                                 "qwen3-moe-1x2", "qwen3-moe-1x1-ep2", "qwen3-moe-2x1-ep2", "qwen3-moe-1x1-ep4"]), lp
+    for name, r in lp.items():
+        assert r["max_abs"] <= MOE_LOGPROB_ABS, (name, r)
+        assert r["engine"]["experts"] == (8 if "moe" in name else 0), (name, r)
+    assert lp["qwen3-moe-1x1-ep4"]["engine"]["ep"] == 4 and lp["qwen3-moe-2x1-ep2"]["engine"]["tp"] == 2
+
+
+def test_moe_round_trip_through_tp2_ep2_is_bit_exact(checks: dict) -> None:
+    rt = moe_results(checks)["round_trip"]
+    # 4 layers x (8 experts x 3 + router + q/k norms + 4 attention + 2 norms) + embedding, head, final norm
+    assert rt["same_keys"] and rt["keys"] == 4 * (8 * 3 + 1 + 2 + 4 + 2) + 3 and rt["bit_exact"], rt
+
+
+def test_moe_update_is_the_same_at_ep1_ep2_and_tp2_sp_ep2(checks: dict) -> None:
+    """One update (2 mini-batches, lr 1e-3): the weights after it at EP=2 (and TP=2 x SP x EP=2) equal
+    EP=1's. Measured |w - w_ep1| / |w_ep1 - w0|: 2.3e-5 (EP=2), 1.6e-4 (TP=2 SP EP=2: the routers see
+    each TP rank's slice of the tokens, summed differently); Adam amplifies the rounding of tiny
+    expert gradients. The load-balancing loss at coefficient 0.5 moves the routers 1.4x their update
+    away: the comparison can see a changed router gradient."""
+    m = moe_results(checks)
+    c = m["update_compare"]
+    assert c["routers"] == 4 and c["experts"] == 96 and c["change_rel"] > 1e-3, c
+    assert c["ep2"]["update_rel"] < 2e-4, c
+    assert c["tp2-sp-ep2"]["update_rel"] < 1e-3, c
+    assert c["ep2-aux"]["router_update_rel"] > 0.1, c
+    u = m["update"]
+    for name in ("ep2", "tp2-sp-ep2"):
+        assert u[name]["pg_loss"] == pytest.approx(u["ep1"]["pg_loss"], rel=1e-4), u
+        for k in ("moe/tokens_per_expert_max_over_mean", "moe/load_balancing_loss", "moe/router_entropy"):
+            assert u[name][k] == pytest.approx(u["ep1"][k], rel=2e-3), (name, k, u)
+    # routing metrics: an imbalanced random router (max/mean tokens > 1, Switch loss >= 1 its minimum,
+    # entropy below log 8), and the load-balancing loss lowers the imbalance it measures
+    e = u["ep1"]
+    assert e["moe/tokens_per_expert_max_over_mean"] > 1 and e["moe/load_balancing_loss"] >= 1.0, e
+    assert 0 < e["moe/router_entropy"] < 2.0795, e
+    assert u["ep2-aux"]["moe/load_balancing_loss"] < u["ep2"]["moe/load_balancing_loss"], u
+
+
+def test_dense_qwen3_step_matches_independent_reference(checks: dict) -> None:
+    """The q/k norms' gradients through the independent reference step (fp32, 1x1 and TP=2, where the
+    norms' gradients are summed over the TP ranks' heads)."""
+    m = moe_results(checks)
+    for name, c in m["reference_step"].items():
+        assert c["same_names"], name
+        assert max(c["grad_rel"]) < FP32_REL and c["update_rel"] < FP32_REL, (name, c)
+    assert m["reference_qk_norm_grad"] > 1e-4  # the q/k norms get a real gradient

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import re
 
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import ARITH, PYTHON, SMOLLM2, TINY_MODEL, run
+from conftest import ARITH, PYTHON, REPO, SMOLLM2, TINY_MODEL, run
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+TINY_QWEN3 = REPO / "models" / "tiny-qwen3"
+TINY_QWEN3_MOE = REPO / "models" / "tiny-qwen3-moe"
+TINY = {"qwen2": TINY_MODEL, "qwen3": TINY_QWEN3, "qwen3-moe": TINY_QWEN3_MOE}
 
 
 def sha256(path) -> str:
@@ -34,15 +40,77 @@ def test_tiny_model_shape_and_chat_template() -> None:
     assert out.shape == (1, len(ids), cfg["vocab_size"]) and torch.isfinite(out).all()
 
 
-def test_tiny_model_build_is_deterministic_and_cached(tmp_path) -> None:
+@pytest.mark.parametrize("family", list(TINY))
+def test_tiny_model_build_is_deterministic_and_cached(tmp_path, family: str) -> None:
     out = tmp_path / "tiny"
-    r = run([PYTHON, "tools/make_tiny_model.py", "--out", str(out)], timeout=180)
+    args = [PYTHON, "tools/make_tiny_model.py", "--out", str(out)]
+    args += [] if family == "qwen2" else ["--family", family]  # qwen2 is the default
+    r = run(args, timeout=180)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert sha256(out / "model.safetensors") == sha256(TINY_MODEL / "model.safetensors")
-    assert sha256(out / "tokenizer.json") == sha256(TINY_MODEL / "tokenizer.json")
-    again = run([PYTHON, "tools/make_tiny_model.py", "--out", str(out)], timeout=60)
+    assert sha256(out / "model.safetensors") == sha256(TINY[family] / "model.safetensors")
+    assert sha256(out / "tokenizer.json") == sha256(TINY[family] / "tokenizer.json")
+    assert json.loads((out / ".hpcrl-build.json").read_text())["family"] == family
+    again = run(args, timeout=60)
     assert again.returncode == 0 and "up to date" in again.stdout
     assert not (tmp_path / "tiny.tmp").exists()
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location("make_tiny_model", REPO / "tools" / "make_tiny_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_tiny_model_stamp_names_the_family(tmp_path) -> None:
+    tool = load_tool()
+    assert tool.RECIPE_VERSION == tool.FAMILIES["qwen2"]["recipe"] == 2
+    stamp = tmp_path / tool.STAMP
+    stamp.write_text(json.dumps({"recipe": 2, "hidden": 128, "params": 558208}))  # written before families
+    assert tool.is_built(tmp_path, 128) and tool.is_built(tmp_path, 128, "qwen2")
+    assert not tool.is_built(tmp_path, 128, "qwen3") and not tool.is_built(tmp_path, 64)
+    stamp.write_text(json.dumps({"recipe": tool.FAMILIES["qwen3"]["recipe"], "hidden": 128, "family": "qwen3"}))
+    assert tool.is_built(tmp_path, 128, "qwen3")
+    assert not tool.is_built(tmp_path, 128) and not tool.is_built(tmp_path, 128, "qwen3-moe")
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3-moe"])
+def test_tiny_qwen3_shapes_norms_and_shared_tokenizer(family: str) -> None:
+    path = TINY[family]
+    cfg = json.loads((path / "config.json").read_text())
+    moe = family == "qwen3-moe"
+    assert cfg["architectures"] == ["Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM"]
+    assert (cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (4, 4, 2)
+    assert (cfg["hidden_size"], cfg["head_dim"], cfg["intermediate_size"]) == (128, 32, 512)
+    assert cfg["max_position_embeddings"] == 4096 and cfg["dtype"] == "float32"
+    assert cfg["tie_word_embeddings"] is (not moe)
+    if moe:  # the hub's key names: the expert count, and one set of tensors per expert
+        assert (cfg["num_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"]) == (8, 2, 64)
+        assert cfg["norm_topk_prob"] is True and cfg["decoder_sparse_step"] == 1 and cfg["mlp_only_layers"] == []
+        assert "num_local_experts" not in cfg
+        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+            keys = set(f.keys())
+        assert {f"model.layers.3.mlp.experts.7.{w}_proj.weight" for w in ("gate", "up", "down")} <= keys
+        assert "model.layers.0.mlp.gate.weight" in keys and "lm_head.weight" in keys
+        assert not any("gate_up_proj" in k for k in keys)
+    # one tokenizer for every family
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (path / name).read_bytes() == (TINY_MODEL / name).read_bytes(), name
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.bias is None
+    # every norm perturbed away from ones, so a conversion that drops one changes the logits
+    norms = {n: p for n, p in model.named_parameters() if "norm" in n}
+    assert len(norms) == 4 * 4 + 1
+    for n, p in norms.items():
+        assert 0.02 < (p - 1).abs().mean() < 0.2, n
+    ids = torch.randint(3, cfg["vocab_size"], (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model(ids, output_router_logits=moe)
+    assert out.logits.shape == (1, 24, cfg["vocab_size"]) and torch.isfinite(out.logits).all()
+    if moe:  # a decisive router: the 3rd choice is clearly behind the top 2 for most tokens
+        top = torch.cat(out.router_logits).topk(3, dim=-1).values
+        assert (top[:, 1] - top[:, 2]).median() > 0.1
 
 
 def test_smollm2_is_a_real_trained_model() -> None:

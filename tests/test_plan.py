@@ -29,7 +29,8 @@ from hpcrl.plan.memory import (
     GPU_RUNTIME_RESERVE_BYTES,
     stored_activation_elements_per_token,
 )
-from hpcrl.plan.shape import megatron_shard_params, shape_from_hf_config, vllm_shard_params
+from hpcrl.plan.moe import DISPATCH_LABEL, expert_shard_params
+from hpcrl.plan.shape import ModelConfigError, megatron_shard_params, shape_from_hf_config, vllm_shard_params
 
 TINY = "configs/grpo_tiny.yaml"
 PPO_70B = "configs/ppo_70b.yaml"
@@ -551,3 +552,183 @@ def test_cli_qwen32b_16k_fits_with_context_parallel_and_sequence_parallel(
     assert recompute == ["actor.recompute=full"]
     assert cli_main([*argv, *recompute]) == 0
     assert "full recompute (actor.recompute=full" in capsys.readouterr().out
+
+
+# -- mixture of experts: Qwen3-MoE, expert parallel ------------------------------------------------
+QWEN3_30B_A3B = REPO / "configs" / "models" / "qwen3-30b-a3b"  # a folder holding a config.json only
+TINY_QWEN3 = REPO / "models" / "tiny-qwen3"
+TINY_QWEN3_MOE = REPO / "models" / "tiny-qwen3-moe"
+# 4k-token samples (1024 + 3072), one per 4096-token micro-batch, TP=1 on 4 nodes x 8 GPUs (DP=32); the
+# actor offloaded while vLLM generates (rollout TP=4)
+MOE_30B = ("trainer.device=cuda", "model.dtype=bf16",
+           "data.max_prompt_length=1024", "rollout.max_new_tokens=3072", "data.train_batch_size=32", "rollout.n=8",
+           "actor.ppo_mini_batch_size=64", "actor.parallel.tensor_parallel=1", "rollout.tensor_parallel=4",
+           "actor.micro_batch_tokens=4096", "actor.offload=true")
+
+
+def test_qwen3_shapes_by_hand_and_from_the_weights() -> None:
+    """Qwen3-30B-A3B (the shipped config.json): one layer's attention q 2048 x 4096, k and v 2048 x 512,
+    o 4096 x 2048, no biases; q/k norms of head_dim 128 each; two norms; the router 128 x 2048; 128
+    experts of 3 x 2048 x 768. Qwen's model card: 30.5 B parameters, 3.3 B active; within 2% of both."""
+    shape = read_model_shape(QWEN3_30B_A3B)
+    assert (shape.num_experts, shape.moe_intermediate_size, shape.num_experts_per_tok) == (128, 768, 8)
+    assert shape.qk_norm and not shape.qkv_bias and not shape.tie_word_embeddings
+    attention = 2048 * 4096 + 2 * 2048 * 512 + 4096 * 2048
+    expert = 3 * 2048 * 768
+    layer = attention + 2 * 128 + 2 * 2048 + 128 * 2048 + 128 * expert
+    assert shape.expert_params() == expert and shape.layer_params() == layer == 623_120_640
+    total = 2 * 151936 * 2048 + 48 * layer + 2048
+    assert shape.total_params() == total == 30_532_122_624
+    assert shape.active_params() == total - 48 * (128 - 8) * expert == 3_353_032_704
+    assert abs(shape.total_params() / 30.5e9 - 1) < 0.02 and abs(shape.active_params() / 3.3e9 - 1) < 0.02
+    assert "MoE: 128 experts, top-8, 30.53 B total / 3.35 B active" in shape.describe()
+    # vLLM at rollout TP=4: one KV head per rank, each expert's 768 split 4 ways, router and norms whole
+    assert vllm_shard_params(shape, 4, separate_lm_head=False) == (
+        48 * (2048 * (1024 + 2 * 128) + 1024 * 2048 + 128 * 3 * 2048 * 192 + 128 * 2048 + 2 * 2048 + 2 * 128)
+        + 2048 + 2 * 151936 // 4 * 2048)
+    # Megatron TP=2, PP=2, EP=8, stage 0: 24 layers of the attention split 2 ways, the norms and the router
+    # whole, 16 experts of 3 x 2048 x 384; half the embedding
+    assert megatron_shard_params(shape, 2, 2, 0, ep=8) == (
+        24 * (attention // 2 + 2 * 128 + 2 * 2048 + 128 * 2048 + 16 * 3 * 2048 * 384) + 151936 // 2 * 2048)
+    # a dense Qwen3 (Qwen3-8B's shape): q/k norms, no biases; 8.19 B as published
+    dense = shape_from_hf_config({"architectures": ["Qwen3ForCausalLM"], "hidden_size": 4096, "num_hidden_layers": 36,
+                                  "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+                                  "intermediate_size": 12288, "vocab_size": 151936}, "Qwen3-8B")
+    assert not dense.is_moe and dense.active_params() == dense.total_params() == 8_190_735_360
+    # the tiny offline models: every tensor of their weights counted
+    for folder in (TINY_QWEN3, TINY_QWEN3_MOE):
+        if built(folder / "model.safetensors"):
+            assert read_model_shape(folder).total_params() == safetensors_numel(folder / "model.safetensors"), folder
+
+
+@pytest.mark.parametrize("extra, why", [
+    ({"mlp_only_layers": [0]}, "MoE on some layers only"),
+    ({"decoder_sparse_step": 2}, "MoE on some layers only"),
+    ({"shared_expert_intermediate_size": 5632}, "shared experts"),
+    ({"moe_intermediate_size": None}, "lacks moe_intermediate_size"),
+])
+def test_moe_configs_hpcrl_does_not_build_are_refused(extra, why) -> None:
+    hf = json.loads((QWEN3_30B_A3B / "config.json").read_text())
+    with pytest.raises(ModelConfigError, match=why):
+        shape_from_hf_config({**hf, **extra}, "test")
+
+
+def _moe_30b(*overrides: str):
+    cfg = load_config(REPO / TINY, [*MOE_30B, "trainer.nnodes=4", "trainer.workers_per_node=8",
+                                    "slurm.gpus_per_node=8", *overrides])
+    validate(cfg)
+    return cfg
+
+
+def test_expert_memory_per_rank_halves_from_ep1_to_ep2() -> None:
+    """Qwen3-30B-A3B at TP=1, DP=32: EP=2 holds half of every layer's experts, so half the expert weights
+    and gradients. Their masters and moments are cut over the expert-DP ranks (DP x CP / EP), so with
+    ZeRO-1 a rank keeps the same of them at any EP; without it they halve too. The rest is unchanged."""
+    shape = read_model_shape(QWEN3_30B_A3B)
+    experts = 48 * 128 * 3 * 2048 * 768
+    assert expert_shard_params(shape, 1, 1, 1) == experts == 2 * expert_shard_params(shape, 1, 2, 1)
+
+    def update(*overrides: str) -> dict[str, int]:
+        est = estimate(_moe_30b(*overrides), RoleShapes(policy=shape), gpu_mem_bytes=80 * GIB)
+        return {p.name: p.terms for p in est.phases}["update actor"]
+
+    one, two = update(), update("actor.parallel.expert_parallel=2")
+    assert one["actor expert weights (bf16)"] == 2 * experts == 2 * two["actor expert weights (bf16)"]
+    assert one["actor expert gradients (fp32 main_grad)"] == 4 * experts
+    assert two["actor expert gradients (fp32 main_grad)"] == 4 * experts // 2
+    # ZeRO-1: 1/32 of all experts at EP=1; none with EP > 1 (as the engine: the EP ranks of one DP group
+    # step other experts), so all of the rank's half of them at EP=2
+    masters, moments = "actor expert master weights (fp32)", "actor expert Adam moments (2 x fp32)"
+    assert one[masters] == 4 * experts // 32 and two[masters] == 4 * experts // 2
+    assert one[moments] == 8 * experts // 32 and two[moments] == 8 * experts // 2
+    assert two["actor master weights (fp32)"] == 32 * one["actor master weights (fp32)"]
+    for label in ("actor weights (bf16)", DISPATCH_LABEL, "activations kept for backward"):
+        assert one[label] == two[label], label
+    # the rest: embedding, LM head, final norm and 48 layers' attention, norms and routers
+    assert one["actor weights (bf16)"] == 2 * (shape.total_params() - experts)
+    unsharded = [update("actor.optim.shard_over_dp=false", f"actor.parallel.expert_parallel={ep}") for ep in (1, 2)]
+    for label in (masters, moments):
+        assert unsharded[0][label] == 2 * unsharded[1][label], label
+    # the dispatcher and the experts' activations: 4096 tokens x 8 experts x (2 x 2048 permuted in and out
+    # + 3 x 768 fused gate, up and down input) x 2 bytes, over the 48 layers of the one micro-batch in flight
+    assert one[DISPATCH_LABEL] == 48 * 4096 * 8 * (2 * 2048 + 3 * 768) * 2
+    # the dense MLP's activations are gone from the rest: 4h + (2 q + 2 kv) per token, and the softmax
+    # statistics of 32 heads
+    assert one["activations kept for backward"] == 48 * 4096 * ((4 * 2048 + 2 * 4096 + 2 * 512) * 2 + 32 * 4)
+    # the peak per EP: without ZeRO-1 at EP > 1 every rank keeps all masters and moments of what it
+    # holds, so EP=2 is worse than EP=1 and 32 is the smallest that fits
+    peaks = {ep: estimate(_moe_30b(f"actor.parallel.expert_parallel={ep}"), RoleShapes(policy=shape),
+                          gpu_mem_bytes=80 * GIB) for ep in (1, 2, 4, 8, 16, 32)}
+    assert [round(e.peak.total / GIB, 2) for e in peaks.values()] == [214.69, 302.25, 180.75, 120.0, 89.62, 74.44]
+    assert [e.fits for e in peaks.values()] == [False] * 5 + [True]
+
+
+def test_dense_plans_are_unchanged_by_the_moe_terms() -> None:
+    """Qwen2.5-7B at 32k (the long-sequence plan above): every phase's bytes as the planner gave them
+    before MoE support, and no expert or dispatcher row."""
+    est = estimate(_long_7b(), RoleShapes(policy=read_model_shape(QWEN_7B)), gpu_mem_bytes=80 * GIB)
+    assert {p.name: p.total for p in est.phases} == {
+        "rollout": 62_233_672_704, "reshard": 25_272_118_272, "forward": 33_846_623_232,
+        "update actor": 90_008_878_080, "optimizer step": 19_828_997_120}
+    assert not any("expert" in label or "MoE" in label for p in est.phases for label in p.terms)
+
+
+def test_moe_layouts_megatron_refuses() -> None:
+    """The tiny Qwen3-MoE (8 experts) on grpo_tiny: trained at TP=2 it needs sequence parallel; EP must
+    divide the experts (validate checks that it divides DP x CP)."""
+    moe_shape = (read_model_shape(TINY_QWEN3_MOE) if built(TINY_QWEN3_MOE / "config.json") else
+                 shape_from_hf_config({**TINY_HF, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+                                       "num_hidden_layers": 4, "num_experts": 8, "moe_intermediate_size": 64,
+                                       "num_experts_per_tok": 2, "tie_word_embeddings": False}, "tiny MoE"))
+
+    def problems(*overrides: str) -> list[str]:
+        cfg = load_config(REPO / TINY, list(overrides))
+        validate(cfg)
+        return estimate(cfg, RoleShapes(policy=moe_shape), host_mem_bytes=3 << 30, host_mem_source="test").problems
+
+    assert any("sequence_parallel=true" in p for p in problems("actor.parallel.expert_parallel=2"))
+    assert problems("actor.parallel.expert_parallel=2", "actor.parallel.sequence_parallel=true") == []
+    # 3 workers at TP=1: DP=3, and 3 does not divide 8 experts
+    three = ("trainer.workers_per_node=3", "actor.parallel.tensor_parallel=1", "data.train_batch_size=6",
+             "actor.ppo_mini_batch_size=12")
+    assert problems(*three) == []
+    assert any("expert_parallel=3: must divide the model's 8 experts" in p
+               for p in problems(*three, "actor.parallel.expert_parallel=3"))
+    # the plan's suggestions keep sequence parallel on where they take an MoE model to TP > 1
+    from hpcrl.plan.report import _with_valid_budgets
+
+    cfg = load_config(REPO / TINY, list(three))
+    assert _with_valid_budgets(cfg, {"actor.parallel.tensor_parallel": 2}, moe=True) == {
+        "actor.parallel.tensor_parallel": 2, "actor.parallel.sequence_parallel": True}
+    assert _with_valid_budgets(cfg, {"actor.parallel.tensor_parallel": 2}) == {"actor.parallel.tensor_parallel": 2}
+
+
+def test_cli_qwen3_30b_a3b_fits_with_expert_parallel(capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3-30B-A3B on 4 nodes x 8 x 80 GB (--model-config: the folder): at EP=1 every GPU holds all 128
+    experts of every layer, 172 GiB of expert state; the plan names EP=32 (4 experts a rank), the
+    smallest EP that fits (no ZeRO-1 with EP > 1, as the engine), and with it the run fits."""
+    from hpcrl.cli import main as cli_main
+
+    monkeypatch.chdir(REPO)
+    argv = ["plan", TINY, *MOE_30B, "--skip-path-checks", "--model-config", str(QWEN3_30B_A3B), "--nodes", "4",
+            "--gpus-per-node", "8", "--gpu-mem", "80"]
+    assert cli_main(argv) == 3
+    out = capsys.readouterr().out
+    assert "qwen3-30b-a3b/config.json (--model-config): Qwen3MoeForCausalLM: MoE: 128 experts, top-8, 30.53 B total " \
+           "/ 3.35 B active" in out
+    assert "experts     EP=1: 128 experts a rank (of 128, top-8 a token)" in out
+    assert "expert weights, gradients and optimizer state 172.12 GiB a rank" in out
+    assert re.search(r"actor expert weights \(bf16\) +- +54\.00 ", out), out
+    assert "verdict     does not fit: update actor needs 214.69 GiB" in out
+    ep = _suggested(out, "actor.parallel.expert_parallel")
+    assert ep == ["actor.parallel.expert_parallel=32"], ep
+    assert cli_main([*argv, *ep]) == 0
+    out = capsys.readouterr().out
+    assert "actor       TP=1 PP=1 EP=32 DP=32" in out and "verdict     fits" in out
+    assert "experts     EP=32: 4 experts a rank" in out
+    assert "no other rank holds the same experts (DP x CP / EP = 1)" in out
+    assert "expert weights, gradients and optimizer state 15.19 GiB a rank" in out
+    assert "all-to-all dispatcher buffers and experts' activations 18.75 GiB kept for the backward" in out
+    assert re.search(r"actor expert weights \(bf16\) +- +1\.69 ", out), out
+    assert "peak        update actor: 74.44 GiB" in out

@@ -13,19 +13,22 @@ from omegaconf import DictConfig
 @dataclass(frozen=True)
 class Layout:
     """Parallel layout of one role over the worker ranks: TP x PP x CP x DP of them, with sequence
-    parallel on or off (cp and sp last, with defaults, so that `Layout(tp, pp, dp)` still reads as it
-    did before context parallel)."""
+    parallel on or off, and EP (expert parallel, MoE layers: carved out of the DP x CP ranks). cp, sp
+    and ep last, with defaults, so that `Layout(tp, pp, dp)` still reads as it did before context
+    parallel."""
 
     tp: int
     pp: int
     dp: int
     cp: int = 1
     sp: bool = False
+    ep: int = 1
 
     def __str__(self) -> str:
-        # CP and SP only when used: the layouts most runs print stay as they were
+        # CP, EP and SP only when used: the layouts most runs print stay as they were
         cp = f" CP={self.cp}" if self.cp > 1 else ""
-        return f"TP={self.tp} PP={self.pp}{cp} DP={self.dp}" + (" SP" if self.sp else "")
+        ep = f" EP={self.ep}" if self.ep > 1 else ""
+        return f"TP={self.tp} PP={self.pp}{cp}{ep} DP={self.dp}" + (" SP" if self.sp else "")
 
     @property
     def token_multiple(self) -> int:
@@ -120,7 +123,7 @@ def role_layouts(cfg: DictConfig) -> dict[str, Layout]:
     for role in roles:
         p = role_parallel(cfg, role)
         tp, pp, cp = p.tensor_parallel, p.pipeline_parallel, p.context_parallel
-        out[role] = Layout(tp, pp, w // (tp * pp * cp), cp, bool(p.sequence_parallel))
+        out[role] = Layout(tp, pp, w // (tp * pp * cp), cp, bool(p.sequence_parallel), p.expert_parallel)
     return out
 
 

@@ -43,6 +43,10 @@ class ParallelConfig:
     # layers are split over the sequence across the TP ranks (all-gather before, reduce-scatter after
     # each TP layer instead of an all-reduce), so their activations shrink by TP. Same results.
     sequence_parallel: bool = False
+    # EP (MoE models): each MoE layer's experts are split over this many ranks, carved out of the role's
+    # DP x CP ranks (the experts' own TP is the layers' TP, megatron's default), so it must divide DP x CP
+    # and the model's number of experts. Dense layers and the attention are not affected.
+    expert_parallel: int = 1
     # Optional: when set it must equal workers / (TP * PP * CP); a cross-check for cluster recipes.
     data_parallel: int | None = None
 
@@ -83,6 +87,19 @@ class LoraConfig:
     # A PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) to start from; its q/k/v
     # (and gate/up) adapters must share lora_A, as `hpcrl ckpt export-hf --lora` writes them.
     adapters: str | None = None
+
+
+@dataclass
+class MoeConfig:
+    """The routers of a Mixture-of-Experts model (Qwen3-MoE) in training; the model's config.json has its
+    experts (num_experts, num_experts_per_tok). Dense models refuse non-zero coefficients."""
+
+    # Weight of each MoE layer's load-balancing loss on its router (Switch-Transformer style, megatron's
+    # moe_aux_loss_coeff); 0: none.
+    aux_loss_coeff: float = 0.0
+    # Weight of the router z-loss, the squared log-sum-exp of the router logits (megatron's
+    # moe_z_loss_coeff); 0: none.
+    z_loss_coeff: float = 0.0
 
 
 @dataclass
@@ -143,6 +160,7 @@ class ActorConfig:
     # checkpoint: recompute_granularity=full, method uniform; about one more forward per update).
     recompute: str = "none"
     lora: LoraConfig = field(default_factory=LoraConfig)
+    moe: MoeConfig = field(default_factory=MoeConfig)  # the routers' auxiliary losses (MoE models only)
 
 
 @dataclass
@@ -164,6 +182,7 @@ class CriticConfig:
     recompute: str = "none"  # as actor.recompute
     # New values stay within this distance of the old ones in the clipped value loss (PPO2).
     cliprange_value: float = 0.5
+    moe: MoeConfig = field(default_factory=MoeConfig)  # as actor.moe, of the critic's model
 
 
 @dataclass

@@ -65,6 +65,14 @@ RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     "reference.parallel.tensor_parallel": (1, None, True),
     "reference.parallel.pipeline_parallel": (1, None, True),
     "reference.parallel.context_parallel": (1, None, True),
+    "actor.parallel.expert_parallel": (1, None, True),
+    "critic.parallel.expert_parallel": (1, None, True),
+    "reference.parallel.expert_parallel": (1, None, True),
+    # a negative weight would reward unbalanced routing (aux) or large router logits (z)
+    "actor.moe.aux_loss_coeff": (0, None, True),
+    "actor.moe.z_loss_coeff": (0, None, True),
+    "critic.moe.aux_loss_coeff": (0, None, True),
+    "critic.moe.z_loss_coeff": (0, None, True),
     "rollout.tensor_parallel": (1, None, True),
     "actor.lora.rank": (0, None, True),
     "actor.lora.alpha": (0, None, False),
@@ -270,16 +278,19 @@ def _check_layout(cfg: DictConfig, problems: list[str]) -> None:
     # (sequence parallel may differ: it changes how a role's own layers communicate, not the groups)
     a = cfg.actor.parallel
 
-    def shown(q: Any, with_cp: bool) -> str:
-        return f"TP={q.tensor_parallel} PP={q.pipeline_parallel}" + (f" CP={q.context_parallel}" if with_cp else "")
+    def shown(q: Any, with_cp: bool, with_ep: bool) -> str:
+        return (f"TP={q.tensor_parallel} PP={q.pipeline_parallel}" + (f" CP={q.context_parallel}" if with_cp else "")
+                + (f" EP={q.expert_parallel}" if with_ep else ""))
 
     for role, p in shared.items():
         if p is None:
             continue
-        mine, actor = ((q.tensor_parallel, q.pipeline_parallel, q.context_parallel) for q in (p, a))
+        mine, actor = ((q.tensor_parallel, q.pipeline_parallel, q.context_parallel, q.expert_parallel) for q in (p, a))
         if mine != actor:
             with_cp = p.context_parallel != 1 or a.context_parallel != 1
-            problems.append(f"{role}.parallel: {shown(p, with_cp)} differs from actor.parallel ({shown(a, with_cp)}); "
+            with_ep = p.expert_parallel != 1 or a.expert_parallel != 1
+            problems.append(f"{role}.parallel: {shown(p, with_cp, with_ep)} differs from actor.parallel "
+                            f"({shown(a, with_cp, with_ep)}); "
                             "colocated Megatron roles share one layout. Set both alike (or leave "
                             f"{role}.parallel null).")
     if is_dpo(cfg):
@@ -481,6 +492,25 @@ def _check_multi_turn(cfg: DictConfig, problems: list[str]) -> None:
                         "it to 0 (the token budget is rollout.multi_turn.max_total_tokens).")
 
 
+def _check_moe(cfg: DictConfig, problems: list[str]) -> None:
+    """Expert parallel against each role's DP x CP, and routing replay against the loop (the model's
+    experts: the preflight)."""
+    w = trainer_world_size(cfg)
+    roles = ["actor"] + [r for r in ("critic", "reference") if cfg[r].parallel is not None
+                         and (critic_enabled(cfg) if r == "critic" else reference_enabled(cfg))]
+    for role in roles:
+        p = role_parallel(cfg, role)
+        ep, model_parallel = p.expert_parallel, _model_parallel_size(p)
+        if ep <= 1 or w < 1 or model_parallel < 1 or w % model_parallel:
+            continue  # EP off, or the range and layout checks report it
+        room = w // (p.tensor_parallel * p.pipeline_parallel)  # DP x CP
+        if room % ep:
+            problems.append(f"{role}.parallel.expert_parallel={ep}: does not divide the {role}'s DP x CP = {room} (the "
+                            f"{w} trainer workers / TP={p.tensor_parallel} x PP={p.pipeline_parallel}); the EP ranks "
+                            f"are carved out of the data- and context-parallel ranks. Use expert_parallel in "
+                            f"{{{_divisors(room)}}}.")
+
+
 def value_problems(cfg: DictConfig) -> list[str]:
     """Every problem of the config's values: types, choices, ranges and the arithmetic between keys.
     Nothing here reads a file or knows an engine, a data set or a reward (hpcrl.trainer.preflight)."""
@@ -489,6 +519,7 @@ def value_problems(cfg: DictConfig) -> list[str]:
     _check_layout(cfg, problems)
     _check_rl_switches(cfg, problems)
     _check_multi_turn(cfg, problems)
+    _check_moe(cfg, problems)
     return problems
 
 

@@ -16,6 +16,9 @@ phases without vLLM, and a `transfer` phase where trainer rank 0 gathers, conver
 bucket (hpcrl.engines.transfer); a rollout worker (`estimate_rollout_worker`) has vLLM alone, in
 the rollout phase and while it receives the weights.
 
+An MoE model's experts, their optimizer state and the token dispatcher's buffers are terms of
+`moe.py`, added where the dense ones are.
+
 Every term is in bytes for the worst pipeline stage (stage 0 holds the embedding and the most
 micro-batches in flight under 1F1B; the last stage holds the LM head and the logits). The formulas
 and their sources are in docs/planner.md; this module only does the arithmetic, it imports neither
@@ -32,11 +35,11 @@ from omegaconf import DictConfig
 
 from hpcrl.config import is_dpo, role_layouts, rollout_layout
 from hpcrl.config.derived import Layout, cp_padded_length, is_split, rollout_world_size
+from hpcrl.plan import moe
 from hpcrl.plan.shape import (
     ModelShape,
     largest_reshard_unit_params,
     megatron_padded_vocab,
-    megatron_shard_params,
     vllm_kv_heads_per_rank,
     vllm_shard_params,
     vllm_vocab_shard_params,
@@ -228,17 +231,19 @@ def attention_elements_per_token(shape: ModelShape, tp: int) -> float:
 
 def mlp_elements_per_token(shape: ModelShape, tp: int, fused_swiglu: bool) -> float:
     """The gated MLP's [gate, up] projection (2I / tp) and the input of its down projection (I / tp),
-    plus the SiLU output (I / tp) when the gate is not fused."""
-    return (3 if fused_swiglu else 4) * shape.intermediate_size / tp
+    plus the SiLU output (I / tp) when the gate is not fused; none in an MoE model's layers (their
+    experts' are `moe.kept_elements_per_token`)."""
+    return 0.0 if shape.is_moe else (3 if fused_swiglu else 4) * shape.intermediate_size / tp
 
 
 def stored_activation_elements_per_token(shape: ModelShape, tp: int, fused_swiglu: bool, sp: bool = False) -> float:
     """Activation elements one decoder layer keeps for its backward, per token (Korthikanti et al.
     2022, section 4, without dropout, with flash attention, for RMSNorm + GQA + gated MLP): the norm
-    regions, the attention's q, k, v and output, the MLP (the three functions above). The attention
-    kernel's own state is `core_attention_bytes`."""
+    regions, the attention's q, k, v and output, the MLP (the three functions above) or an MoE layer's
+    dispatcher buffers and experts' activations. The attention kernel's own state is
+    `core_attention_bytes`."""
     return (norm_region_elements_per_token(shape, tp, sp) + attention_elements_per_token(shape, tp)
-            + mlp_elements_per_token(shape, tp, fused_swiglu))
+            + mlp_elements_per_token(shape, tp, fused_swiglu) + moe.kept_elements_per_token(shape, tp, fused_swiglu))
 
 
 def working_elements_per_token(shape: ModelShape, tp: int, sp: bool = False) -> float:
@@ -246,9 +251,11 @@ def working_elements_per_token(shape: ModelShape, tp: int, sp: bool = False) -> 
     residual, norm output, the TP all-reduce output, the pipeline's send and receive buffers (5h),
     the MLP's projection and activation outputs (3I / tp). With sequence parallel the residual, the
     norm output, the reduce-scatter's output and the pipeline's buffers are split over TP (5h / tp)
-    and the all-gathered input of a TP layer is whole (h)."""
+    and the all-gathered input of a TP layer is whole (h). An MoE layer has the dispatcher's and its
+    experts' instead of the MLP's (`moe.working_elements_per_token`)."""
     h = shape.hidden_size
-    return (h + 5 * h / tp if sp else 5 * h) + 3 * shape.intermediate_size / tp
+    mlp = moe.working_elements_per_token(shape, tp) if shape.is_moe else 3 * shape.intermediate_size / tp
+    return (h + 5 * h / tp if sp else 5 * h) + mlp
 
 
 def core_attention_bytes(shape: ModelShape, tp: int, tokens: int, dtype_bytes: int, dense: bool) -> float:
@@ -272,10 +279,12 @@ class LayerActivations:
     mlp: int  # [gate, up], the down projection's input (and the SiLU output unfused): (3 or 4) I / tp
     core_attention: int  # the attention kernel's own state (`core_attention_bytes`)
     layer_input: int  # the layer's input, all that full recompute keeps: h, or h / tp with sequence parallel
+    # an MoE layer's dispatcher buffers and experts' activations: k (2h + (3 or 4) I_moe / tp) (moe.py)
+    moe: int = 0
 
     @property
     def total(self) -> int:
-        return self.norm_region + self.attention + self.mlp + self.core_attention
+        return self.norm_region + self.attention + self.mlp + self.core_attention + self.moe
 
     def kept(self, recompute: str) -> int:
         """What the layer keeps until its backward under actor.recompute (or critic's)."""
@@ -294,7 +303,8 @@ def layer_activations(shape: ModelShape, lay: Layout, tokens: int, dtype_bytes: 
         attention=int(tokens * attention_elements_per_token(shape, tp) * dtype_bytes),
         mlp=int(tokens * mlp_elements_per_token(shape, tp, fused_swiglu) * dtype_bytes),
         core_attention=int(core_attention_bytes(shape, tp, tokens, dtype_bytes, dense)),
-        layer_input=int(tokens * h / (tp if sp else 1) * dtype_bytes))
+        layer_input=int(tokens * h / (tp if sp else 1) * dtype_bytes),
+        moe=int(tokens * moe.kept_elements_per_token(shape, tp, fused_swiglu) * dtype_bytes))
 
 
 def kept_activation_bytes(acts: LayerActivations, layers: int, in_flight: int, recompute: str) -> int:
@@ -382,6 +392,8 @@ class _Role:
     # DP ranks the masters and Adam moments are cut over (optim.shard_over_dp; whole tensors, so a
     # rank may keep a little more than its even share)
     optim_shards: int = 1
+    # an MoE model's experts on this GPU, their own rows, cut over the expert-DP ranks (moe.py)
+    experts: _Role | None = None
 
     @property
     def trained(self) -> int:
@@ -411,7 +423,27 @@ class _Role:
 
     @property
     def resident(self) -> int:
-        return self.weights + self.masters + self.kept_grads + self.adam
+        experts = self.experts.resident if self.experts else 0
+        return self.weights + self.masters + self.kept_grads + self.adam + experts
+
+    @property
+    def at_build(self) -> int:
+        """What it holds once built, before the first optimizer step allocates Adam's moments."""
+        return (self.weights + self.masters + self.kept_grads) + (self.experts.at_build if self.experts else 0)
+
+
+def _role(name: str, shape: ModelShape, lay: Layout, stage: int, run: _Run, trains: bool, head: str = "lm",
+          ep: int = 1, shard_over_dp: bool = False, adapters: int | None = None) -> _Role:
+    """A Megatron role's bytes on one GPU of `stage`: its parameters, and an MoE model's experts apart."""
+    params, experts = moe.role_shard_params(shape, lay.tp, lay.pp, stage, head, ep)
+    # as the engine: no ZeRO-1 with expert parallel (the EP ranks of one DP x CP group step other experts)
+    shard_over_dp = shard_over_dp and ep == 1
+    low = run.dtype_bytes < 4
+    return _Role(name, params, run.dtype_bytes, trains, low, adapters,
+                 optim_shards=max(lay.dp * lay.cp, 1) if shard_over_dp else 1,
+                 experts=_Role(f"{name} expert", experts, run.dtype_bytes, trains and adapters is None, low,
+                               optim_shards=moe.expert_data_parallel(lay, ep) if shard_over_dp else 1)
+                 if experts else None)
 
 
 def _add_role(phase: Phase, role: _Role, dtype: str, offloaded: bool = False, with_step_grads: bool = False) -> None:
@@ -424,6 +456,8 @@ def _add_role(phase: Phase, role: _Role, dtype: str, offloaded: bool = False, wi
             phase.add(f"{role.name} gradients (fp32 .grad)", role.step_grads)
         phase.add(f"{role.name} master weights (fp32)", role.masters)
         phase.add(f"{role.name} Adam moments (2 x fp32)", role.adam)
+    if role.experts is not None:
+        _add_role(phase, role.experts, dtype, with_step_grads=with_step_grads)
 
 
 @dataclass
@@ -484,6 +518,13 @@ class _Run:
         acts = self.layer_activations(role, shape)
         return kept_activation_bytes(acts, shape.num_layers // lay.pp, in_flight, self.recompute(role)), in_flight
 
+    def kept_dispatch(self, role: str, shape: ModelShape, in_flight: int) -> int:
+        """The MoE layers' share of `stored_activations` (moe.kept_dispatch_bytes; 0 for a dense model)."""
+        if not shape.is_moe:
+            return 0
+        return moe.kept_dispatch_bytes(self.layer_activations(role, shape), shape.num_layers // self.layouts[role].pp,
+                                       in_flight, self.recompute(role))
+
     def working(self, role: str, shape: ModelShape) -> int:
         lay, tokens = self.layouts[role], self.local_tokens(role)
         extra = 2 * dense_attention_elements(shape, lay.tp, tokens) if self.dense_attention else 0
@@ -515,7 +556,6 @@ def _stage_estimate(run: _Run, stage: int, engines: bool = True) -> tuple[list[P
     actor_lay = run.layouts["actor"]
     tp, pp = actor_lay.tp, actor_lay.pp
     last = stage == pp - 1
-    low = run.dtype_bytes < 4
     runtime_label, runtime_bytes = run.runtime
     rollout_tp = rollout_layout(cfg).tp
 
@@ -525,21 +565,18 @@ def _stage_estimate(run: _Run, stage: int, engines: bool = True) -> tuple[list[P
         from hpcrl.engines.megatron.lora import resolve_targets
 
         adapters = lora_shard_params(policy, lora.rank, resolve_targets(list(lora.target_modules)), tp, pp)
-    actor = _Role("actor", megatron_shard_params(policy, tp, pp, stage), run.dtype_bytes, True, low, adapters,
-                  optim_shards=max(actor_lay.dp * actor_lay.cp, 1) if cfg.actor.optim.shard_over_dp else 1)
+    ep = {role: moe.expert_parallel(cfg, role, lay) for role, lay in run.layouts.items()}
+    actor = _role("actor", policy, actor_lay, stage, run, True, ep=ep["actor"],
+                  shard_over_dp=cfg.actor.optim.shard_over_dp, adapters=adapters)
     others: list[_Role] = []
     if "critic" in run.layouts:
-        lay = run.layouts["critic"]
-        others.append(_Role("critic", megatron_shard_params(critic_shape, lay.tp, lay.pp, stage, head="value"),
-                            run.dtype_bytes, True, low,
-                            optim_shards=max(lay.dp * lay.cp, 1) if cfg.critic.optim.shard_over_dp else 1))
+        others.append(_role("critic", critic_shape, run.layouts["critic"], stage, run, True, head="value",
+                            ep=ep["critic"], shard_over_dp=cfg.critic.optim.shard_over_dp))
     if "reference" in run.layouts and not lora.rank:
-        lay = run.layouts["reference"]
-        others.append(_Role("reference", megatron_shard_params(policy, lay.tp, lay.pp, stage), run.dtype_bytes,
-                            False, low))
+        others.append(_role("reference", policy, run.layouts["reference"], stage, run, False, ep=ep["reference"]))
     if shapes.reward_model is not None:
-        others.append(_Role("reward model", megatron_shard_params(shapes.reward_model, tp, pp, stage, head="value"),
-                            run.dtype_bytes, False, low))
+        others.append(_role("reward model", shapes.reward_model, actor_lay, stage, run, False, head="value",
+                            ep=ep["actor"]))
 
     def resident(phase: Phase, actor_offloaded: bool = False, step_grads_of: str | None = None) -> None:
         _add_role(phase, actor, run.dtype, offloaded=actor_offloaded, with_step_grads=step_grads_of == "actor")
@@ -593,7 +630,9 @@ def _stage_estimate(run: _Run, stage: int, engines: bool = True) -> tuple[list[P
     update = Phase("update actor")
     resident(update, step_grads_of="actor")
     kept, in_flight = run.stored_activations("actor", policy, stage)
-    update.add("activations kept for backward", kept)
+    routed = run.kept_dispatch("actor", policy, in_flight)
+    update.add("activations kept for backward", kept - routed)
+    update.add(moe.DISPATCH_LABEL, routed)
     update.add("working set of one layer", run.working("actor", policy))
     if last:
         entropy = float(cfg.actor.entropy_coeff) != 0.0
@@ -604,7 +643,10 @@ def _stage_estimate(run: _Run, stage: int, engines: bool = True) -> tuple[list[P
     if "critic" in run.layouts:
         critic_update = Phase("update critic")
         resident(critic_update, step_grads_of="critic")
-        critic_update.add("activations kept for backward", run.stored_activations("critic", critic_shape, stage)[0])
+        kept, critic_in_flight = run.stored_activations("critic", critic_shape, stage)
+        routed = run.kept_dispatch("critic", critic_shape, critic_in_flight)
+        critic_update.add("activations kept for backward", kept - routed)
+        critic_update.add(moe.DISPATCH_LABEL, routed)
         critic_update.add("working set of one layer", run.working("critic", critic_shape))
         critic_update.add(runtime_label, runtime_bytes)
         phases.append(critic_update)
@@ -619,7 +661,7 @@ def _stage_estimate(run: _Run, stage: int, engines: bool = True) -> tuple[list[P
     step.add(runtime_label, runtime_bytes)
     phases.append(step)
 
-    problems: list[str] = []
+    problems = moe.layout_problems(cfg, {"actor": policy, "critic": critic_shape, "reference": policy}, run.layouts)
     pinned: dict[str, int] = {}
     if run.gpu and engines:
         per_node = cfg.trainer.workers_per_node
@@ -631,7 +673,7 @@ def _stage_estimate(run: _Run, stage: int, engines: bool = True) -> tuple[list[P
         # yet then (torch allocates them at the first step)
         kwargs = cfg.rollout.engine_kwargs or {}
         util = float(kwargs.get("gpu_memory_utilization", cfg.rollout.gpu_memory_utilization))
-        at_start = actor.weights + actor.masters + actor.kept_grads + runtime_bytes
+        at_start = actor.at_build + runtime_bytes
         if not dpo and not kwargs.get("kv_cache_memory_bytes") and run.gpu_mem_bytes is not None \
                 and run.gpu_mem_bytes - at_start < util * run.gpu_mem_bytes:
             problems.append(
@@ -794,6 +836,8 @@ def estimate_rollout_worker(cfg: DictConfig, shapes: RoleShapes, gpu_mem_bytes: 
 
 def _largest_tensor_params(shape: ModelShape, tp: int) -> int:
     """The largest single parameter tensor of a shard (the optimizer step's temporaries are one
-    tensor at a time): the vocabulary shard or the fused [gate, up] projection."""
+    tensor at a time): the vocabulary shard or the fused [gate, up] projection (an expert's, whose
+    weights megatron's SequentialMLP keeps expert by expert, in an MoE model)."""
+    ffn = shape.moe_intermediate_size if shape.is_moe else shape.intermediate_size
     return max(megatron_padded_vocab(shape.vocab_size, tp) // tp * shape.hidden_size,
-               2 * shape.intermediate_size // tp * shape.hidden_size)
+               2 * ffn // tp * shape.hidden_size)

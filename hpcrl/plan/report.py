@@ -33,6 +33,7 @@ from hpcrl.plan.memory import (
     estimate_rollout_worker,
     plan_device,
 )
+from hpcrl.plan.moe import expert_parallel, expert_parallel_choices, experts_line
 from hpcrl.plan.shape import ModelConfigError, ModelShape, read_model_shape
 
 # estimate or estimate_rollout_worker: (cfg, shapes, gpu_mem_bytes, host_mem_bytes, host_mem_source)
@@ -314,6 +315,10 @@ def _unit_name(est: Estimate) -> str:
     return "GiB" if est.device == "gpu" else "GB"
 
 
+def _units(est: Estimate) -> tuple[int, str]:
+    return (GIB, "GiB") if est.device == "gpu" else (GB, "GB")
+
+
 def verdict_lines(est: Estimate, suggestions: list[str]) -> list[str]:
     """The verdict, with why it does not fit and what to change."""
     unit, short = (GIB if est.device == "gpu" else GB), _unit_name(est)
@@ -407,9 +412,10 @@ def _recompute_changes(cfg: DictConfig, mode: str) -> dict[str, Any]:
     return {"actor.recompute": mode, **({"critic.recompute": mode} if critic_enabled(cfg) else {})}
 
 
-def _with_valid_budgets(cfg: DictConfig, changes: dict[str, Any]) -> dict[str, Any]:
+def _with_valid_budgets(cfg: DictConfig, changes: dict[str, Any], moe: bool = False) -> dict[str, Any]:
     """`changes` plus what the layout they make needs to validate: sequence parallel off where TP
-    becomes 1, and the packing budgets moved up to a multiple of the new row length multiple
+    becomes 1 (on wherever an MoE model's TP is more: `moe`; megatron trains MoE layers under TP only
+    with it), and the packing budgets moved up to a multiple of the new row length multiple
     (`token_multiple`)."""
     out = dict(changes)
 
@@ -417,8 +423,9 @@ def _with_valid_budgets(cfg: DictConfig, changes: dict[str, Any]) -> dict[str, A
         return out[key] if key in out else OmegaConf.select(cfg, key)
 
     for role in ["actor", *_own_parallel_roles(cfg)]:
-        if value(f"{role}.parallel.sequence_parallel") and value(f"{role}.parallel.tensor_parallel") == 1:
-            out[f"{role}.parallel.sequence_parallel"] = False
+        sp, tp = value(f"{role}.parallel.sequence_parallel"), value(f"{role}.parallel.tensor_parallel")
+        if sp and tp == 1 or moe and not sp and tp > 1:
+            out[f"{role}.parallel.sequence_parallel"] = not sp
     for role in ["actor"] + (["critic"] if critic_enabled(cfg) else []):
         par = f"{role}.parallel" if role == "actor" or cfg[role].parallel is not None else "actor.parallel"
         multiple = token_multiple(value(f"{par}.tensor_parallel"), value(f"{par}.context_parallel"),
@@ -450,8 +457,10 @@ def suggest(cfg: DictConfig, est: Estimate, shapes: RoleShapes, gpu_mem: int | N
     budget that does, and otherwise the closest tries."""
     tried: list[tuple[dict[str, Any], Estimate, str]] = []
 
+    shape = shapes.policy
+
     def attempt(changes: dict[str, Any], kind: str) -> Estimate | None:
-        changes = _with_valid_budgets(cfg, changes)
+        changes = _with_valid_budgets(cfg, changes, moe=shape.is_moe)
         if any(changes == c for c, _, _ in tried):
             return next(r for c, r, _ in tried if c == changes)
         result = _try(cfg, changes, shapes, gpu_mem, host, planner)
@@ -459,10 +468,16 @@ def suggest(cfg: DictConfig, est: Estimate, shapes: RoleShapes, gpu_mem: int | N
             tried.append((changes, result, kind))
         return result
 
-    shape = shapes.policy
     par = cfg.actor.parallel
     tp, pp, cp = par.tensor_parallel, par.pipeline_parallel, par.context_parallel
     w = trainer_world_size(cfg)
+    # an MoE model's experts over more of the DP x CP ranks: the smallest EP that fits
+    lay = role_layouts(cfg)["actor"]
+    eps = expert_parallel_choices(shape, lay, expert_parallel(cfg, "actor", lay)) if shape.is_moe else []
+    for ep in eps:
+        r = attempt(_parallel_changes(cfg, {"expert_parallel": ep}, moves_dp=False), "expert parallel")
+        if r is not None and r.fits:
+            break
     # a larger TP x PP: weights, gradients and Adam states per GPU shrink with it
     layouts = [(tp, p) for p in range(pp + 1, shape.num_layers + 1)
                if shape.num_layers % p == 0 and w % (tp * p * cp) == 0]
@@ -539,14 +554,16 @@ def suggest(cfg: DictConfig, est: Estimate, shapes: RoleShapes, gpu_mem: int | N
     # nothing alone: the smallest CP with the cheapest recompute (and sequence parallel) that fits,
     # with the actor offloaded while vLLM generates when that is what it takes (GPU)
     offload = [{"actor.offload": True}] if est.device == "gpu" and not cfg.actor.offload else []
-    for extra in [{}, *offload]:
+    most_ep = [_parallel_changes(cfg, {"expert_parallel": eps[-1]}, moves_dp=False)] if eps else []
+    for extra in [{}, *most_ep, *offload, *[{**e, **o} for e in most_ep for o in offload]]:
         for c in [cp] + cps:
             for mode in [current] + modes:
                 changes = {**sp_on, **(_cp_changes(cfg, c) if c != cp else {}),
                            **(_recompute_changes(cfg, mode) if mode != current else {}), **extra}
                 r = attempt(changes, "long sequences") if changes else None
                 if r is not None and r.fits:
-                    return [_describe_try(_with_valid_budgets(cfg, changes), r) + " (no single change fits)"]
+                    return [_describe_try(_with_valid_budgets(cfg, changes, shape.is_moe), r)
+                            + " (no single change fits)"]
     # then the smallest layout change that fits with the largest micro-batch budget
     for new_tp, new_pp in [(tp, pp)] + layouts:
         for tokens in ladder:
@@ -554,12 +571,14 @@ def suggest(cfg: DictConfig, est: Estimate, shapes: RoleShapes, gpu_mem: int | N
                        **token_changes(tokens)}
             r = attempt(changes, "layout and micro-batch")
             if r is not None and r.fits:
-                return [_describe_try(_with_valid_budgets(cfg, changes), r) + " (no single change fits)"]
+                return [_describe_try(_with_valid_budgets(cfg, changes, shape.is_moe), r)
+                        + " (no single change fits)"]
     closest = sorted(tried, key=lambda crk: crk[1].peak.total)[:3]
     return [_describe_try(c, r) for c, r, _ in closest] + [
         "nothing tried fits: use GPUs with more memory, or more nodes with a larger TP x PP x CP; more nodes alone "
         "do not help (per-GPU memory does not depend on DP beyond the optimizer state actor.optim.shard_over_dp "
-        "cuts over it)"]
+        "cuts over it" + ("; for an MoE model they leave room for a larger actor.parallel.expert_parallel, "
+                          "fewer experts a GPU)" if shape.is_moe else ")")]
 
 
 def worker_span(first: int, last: int) -> str:
@@ -671,7 +690,7 @@ def best_placeable(cfg: DictConfig, inputs: _Inputs) -> str | None:
             changes = {**_layout_changes(cfg, tp, pp), "actor.micro_batch_tokens": tokens}
             if critic_enabled(cfg):
                 changes["critic.micro_batch_tokens"] = min(tokens, cfg.critic.micro_batch_tokens)
-            changes = _with_valid_budgets(cfg, changes)
+            changes = _with_valid_budgets(cfg, changes, inputs.shapes.policy.is_moe)
             r = _try(cfg, changes, inputs.shapes, inputs.gpu_mem, inputs.host)
             if r is None:
                 continue
@@ -718,6 +737,8 @@ def memory_plan(cfg: DictConfig, args: argparse.Namespace, change: ClusterChange
                     if cfg.actor.optim.shard_over_dp and lay.dp * lay.cp > 1 else ""))
     print(f"precision   {precision}")
     print(f"activations {activation_line(est)}")
+    if shapes.policy.is_moe:
+        print(f"experts     {experts_line(cfg, shapes.policy, est, *_units(est))}")
     status = EXIT_FITS
     for kind_est, planner, ranks in kinds:
         if ranks is not None:

@@ -5,7 +5,8 @@ process or allocation starts, with the same exit 2 naming the key as the config'
   - the values (hpcrl.config.validate: types, ranges, the arithmetic between keys)
   - the registries: LoRA targets against the engine's layers, multi-turn tools and formats against
     the agents' built-ins, custom classes and reward modules importable
-  - with check_paths (not `--skip-path-checks`): the model folder and its shape against the layouts,
+  - with check_paths (not `--skip-path-checks`): the model folder, its architecture, and its shape
+    (heads, layers, experts) against the layouts and the MoE keys,
     data files and their rows (usable, and each data_source scorable by the builtin reward), the
     adapters' folder, the resume folder, wandb installed
 
@@ -36,8 +37,9 @@ def preflight(cfg: DictConfig, check_paths: bool = True) -> None:
     _check_multi_turn_registry(cfg, check_paths, problems)
     if check_paths:
         hf = _check_paths(cfg, problems)
-        if hf is not None:
+        if hf is not None and _check_architecture("model.path", cfg.model.path, hf, problems):
             _check_model_shape(cfg, hf, problems)
+            _check_experts(cfg, hf, problems)
     if problems:
         raise ConfigError(problems)
 
@@ -121,7 +123,7 @@ def _check_model_shape(cfg: DictConfig, hf: dict[str, Any], problems: list[str])
     layers = hf.get("num_hidden_layers")
     if not (heads and layers):
         problems.append(f"model.path={cfg.model.path!r}: config.json lacks num_attention_heads/"
-                        "num_hidden_layers; hpcrl supports Llama- and Qwen2-family models.")
+                        "num_hidden_layers; hpcrl supports Llama-, Qwen2- and Qwen3-family models.")
         return
     for role, lay in role_layouts(cfg).items() if not _layout_broken(cfg) else ():
         key = f"{role}.parallel" if role != "reference" or cfg.reference.parallel is not None else "actor.parallel"
@@ -147,6 +149,68 @@ def _check_model_shape(cfg: DictConfig, hf: dict[str, Any], problems: list[str])
         problems.append(f"rollout.tensor_parallel={rtp}: the model has {heads} attention heads and {kv} KV "
                         "heads; vLLM needs TP to divide the heads, and the KV heads to divide or be divisible "
                         "by TP.")
+
+
+def _check_architecture(key: str, path: str, hf: dict[str, Any], problems: list[str]) -> bool:
+    """The model's architecture is one the engine converts (hpcrl.engines.megatron.model.SUPPORTED)."""
+    from hpcrl.engines.megatron.model import SUPPORTED
+
+    arch = (hf.get("architectures") or [None])[0]
+    if arch in SUPPORTED:
+        return True
+    problems.append(f"{key}={path!r}: architecture {arch!r} (config.json's architectures) is not one hpcrl "
+                    f"converts: {', '.join(sorted(SUPPORTED))}.")
+    return False
+
+
+def _check_experts(cfg: DictConfig, hf: dict[str, Any], problems: list[str]) -> None:
+    """The MoE keys against the model: a dense one (no num_experts) takes none of them; an MoE one
+    has every layer MoE, no shared experts, and experts that split evenly over EP."""
+    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)  # (transformers 5 writes the latter)
+    where = f"model.path={cfg.model.path!r}"
+    layouts = role_layouts(cfg) if not _layout_broken(cfg) else {}
+    # the roles whose `parallel` block is their own (the others run with the actor's)
+    roles = [r for r in layouts if r == "actor" or cfg[r].parallel is not None]
+    if not experts:
+        dense = f"the model ({where}) is dense (no num_experts in its config.json)"
+        keys = [f"{r}.parallel.expert_parallel" for r in roles if layouts[r].ep > 1]
+        for key in keys:
+            problems.append(f"{key}={dotted_value(cfg, key)}: {dense}; expert parallel splits the experts of MoE "
+                            "layers. Set it to 1.")
+        for role in ("actor", "critic") if "critic" in layouts else ("actor",):
+            if role == "critic" and cfg.critic.model_path:
+                continue  # the critic's own model: its config is not read here
+            for coeff in ("aux_loss_coeff", "z_loss_coeff"):
+                key = f"{role}.moe.{coeff}"
+                if dotted_value(cfg, key) > 0:  # (below 0: the range check reports it)
+                    problems.append(f"{key}={dotted_value(cfg, key)}: {dense}; it has no routers to regularise. "
+                                    "Set it to 0.")
+        return
+    dense_layers = list(hf.get("mlp_only_layers") or [])
+    if dense_layers or hf.get("decoder_sparse_step", 1) not in (1, None):
+        problems.append(f"{where}: MoE on some layers only (mlp_only_layers={dense_layers}, decoder_sparse_step="
+                        f"{hf.get('decoder_sparse_step')}); hpcrl supports MoE models whose every layer is MoE.")
+    if int(hf.get("shared_expert_intermediate_size") or 0) > 0:
+        problems.append(f"{where}: shared experts (shared_expert_intermediate_size="
+                        f"{hf['shared_expert_intermediate_size']}) are not supported yet; hpcrl supports MoE models "
+                        "with routed experts only.")
+    for role in roles:
+        lay = layouts[role]
+        if lay.ep >= 1 and experts % lay.ep:  # (EP < 1: the range check reports it)
+            room = lay.dp * lay.cp
+            fits = ", ".join(str(d) for d in range(1, experts + 1) if experts % d == 0 and room % d == 0)
+            problems.append(f"{role}.parallel.expert_parallel={lay.ep}: the model has {experts} experts per MoE layer "
+                            f"(num_experts); EP must divide them, and the {role}'s DP x CP = {room}. Use "
+                            f"expert_parallel in {{{fits}}}.")
+        if lay.ep > 1:
+            problems.append(f"{role}.parallel.expert_parallel={lay.ep}: expert parallel runs in the Megatron engine, "
+                            "but hpcrl's weight sync to vLLM and its checkpoints do not carry experts split over EP "
+                            "ranks yet. Set it to 1 (every DP rank then holds all experts).")
+        trains = role == "actor" or (role == "critic" and not cfg.critic.model_path)
+        if trains and lay.tp > 1 and not lay.sp:
+            problems.append(f"{role}.parallel.sequence_parallel=false: an MoE model trains at tensor parallel "
+                            f"{lay.tp} with sequence parallel only (megatron's MoE layer refuses TP without it). "
+                            f"Set {role}.parallel.sequence_parallel=true, or tensor_parallel=1.")
 
 
 def _longest_sample(cfg: DictConfig) -> tuple[int, str]:

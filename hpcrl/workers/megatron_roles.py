@@ -22,12 +22,13 @@ from hpcrl.controller import Collect, Dispatch, Worker, register
 from hpcrl.controller.batch import Batch
 from hpcrl.engines.megatron.engine import EngineOptions, MegatronEngine, OptimSettings, init_model_parallel
 from hpcrl.engines.megatron.lora import LoraSettings, adapters_to_hf, resolve_targets
+from hpcrl.engines.megatron.moe import MoeSettings
 from hpcrl.workers.batching import sequences, to_label_aligned, to_token_aligned
 from hpcrl.workers.memory import peak_memory
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FIRST_STEP_ONLY = "logprob_gap_"  # metrics of an update's first optimizer step (before any change)
-_layout_in_use: tuple[int, int, int] | None = None
+_layout_in_use: tuple[int, int, int, int] | None = None
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -37,13 +38,13 @@ def resolve_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def _use_layout(tp: int, pp: int, seed: int, cp: int = 1) -> None:
+def _use_layout(tp: int, pp: int, seed: int, cp: int = 1, ep: int = 1) -> None:
     """megatron's parallel_state is process-global: colocated roles must share one layout."""
     global _layout_in_use
-    if _layout_in_use == (tp, pp, cp):
+    if _layout_in_use == (tp, pp, cp, ep):
         return
-    init_model_parallel(tp, pp, seed=seed, cp=cp)
-    _layout_in_use = (tp, pp, cp)
+    init_model_parallel(tp, pp, seed=seed, cp=cp, ep=ep)
+    _layout_in_use = (tp, pp, cp, ep)
 
 
 def lora_settings(cfg: dict[str, Any]) -> LoraSettings | None:
@@ -80,7 +81,7 @@ class MegatronRole(Worker):
         # reference and critic default to the actor's layout (they are colocated with it)
         par = section.get("parallel") or cfg["actor"]["parallel"]
         _use_layout(par["tensor_parallel"], par["pipeline_parallel"], seed=cfg["trainer"]["seed"],
-                    cp=par.get("context_parallel", 1))
+                    cp=par.get("context_parallel", 1), ep=par.get("expert_parallel", 1))
         trains = role in ("actor", "critic")
         src = section if trains else cfg["actor"]
         options = EngineOptions(dtype=resolve_dtype(cfg["model"]["dtype"]), attention=cfg["model"]["local_attention"],
@@ -90,6 +91,10 @@ class MegatronRole(Worker):
                                 sequence_parallel=bool(par.get("sequence_parallel", False)),
                                 # the reference only runs forwards: nothing to recompute
                                 recompute=section.get("recompute", "none") if trains else "none")
+        moe = section.get("moe") if trains else None
+        if moe:
+            options.moe = MoeSettings(aux_loss_coeff=float(moe.get("aux_loss_coeff", 0.0)),
+                                      z_loss_coeff=float(moe.get("z_loss_coeff", 0.0)))
         if role == "actor":
             options.lora = lora_settings(cfg)
             options.lora_adapters = (cfg["actor"].get("lora") or {}).get("adapters") if options.lora else None
@@ -128,6 +133,7 @@ class MegatronRole(Worker):
         e = self.engine
         return {"spec": e.spec, "device": str(next(e.model.parameters()).device), "dtype": str(e.options.dtype),
                 "backend": dist.get_backend(), "tp": e.tp_size, "pp": e.pp_size, "dp": e.dp_size, "cp": e.cp_size,
+                "ep": e.ep_size, "experts": e.arch.num_experts,
                 "sequence_parallel": bool(e.model.config.sequence_parallel), "recompute": e.options.recompute,
                 # vLLM's CPU worker turns torch.set_num_threads into a no-op once it is built, so this
                 # stays what OMP_NUM_THREADS gave (hpcrl run: 1 per rank, every rank its own process)

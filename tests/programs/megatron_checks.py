@@ -272,7 +272,7 @@ REFERENCE_CASES = [
 REF_T, REF_LR, REF_CLIP_GRAD, REF_MINI, REF_EPOCHS, REF_SEED = 0.7, 1e-3, 1.0, 2, 2, 1234
 
 
-def reference_batch(n: int):
+def reference_batch(n: int, model: str = TINY):
     """Real text with a response part, old / reference log-probs near the model's at T (so the
     ratio and the KL are non-trivial), random advantages. The log-ratio to the old log-probs is
     drawn inside the clip band [0.8, 1.28] for 60% of the tokens, outside it (ratio ~0.6 or ~1.6:
@@ -281,8 +281,8 @@ def reference_batch(n: int):
     from reference_ppo import logprobs
     from transformers import AutoModelForCausalLM
 
-    b = text_batch(TINY, n // 2, samples=2)  # 2 answers per prompt: the prompt is packed once
-    hf = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+    b = text_batch(model, n // 2, samples=2)  # 2 answers per prompt: the prompt is packed once
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
     lp = logprobs(hf, {k: b[k] for k in b.keys()}, REF_T)
     g = torch.Generator().manual_seed(7)
     shape = b["input_ids"].shape
@@ -299,13 +299,14 @@ def reference_batch(n: int):
     return b
 
 
-def run_reference(plain: dict[str, torch.Tensor], rows: list[list[int]], settings: dict[str, Any]) -> dict:
+def run_reference(plain: dict[str, torch.Tensor], rows: list[list[int]], settings: dict[str, Any],
+                  model: str = TINY) -> dict:
     """reference_ppo.actor_update on a fresh HF copy of the tiny model (bf16 with fp32 masters, or fp32)."""
     import reference_ppo
     from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if settings["masters_fp32"] else torch.float32
-    return reference_ppo.actor_update(AutoModelForCausalLM.from_pretrained(TINY, dtype=dtype), plain, rows, **settings)
+    return reference_ppo.actor_update(AutoModelForCausalLM.from_pretrained(model, dtype=dtype), plain, rows, **settings)
 
 
 def reference_errors(ref: dict, steps: list[dict[str, torch.Tensor]], got: dict[str, torch.Tensor],
@@ -566,6 +567,12 @@ def main() -> None:
         res["timings"][name] = round(time.time() - t0, 1)
         print(f"[megatron_checks] {name}: {res['timings'][name]} s", flush=True)
 
+    if os.environ.get("HPCRL_CHECKS") == "moe":  # only Qwen3 / Qwen3-MoE (8. below)
+        from moe_checks import moe_checks
+
+        moe_checks(workers, res, tmp, timed)
+        Path(out_path).write_text(json.dumps(res, indent=1))
+        return
     if os.environ.get("HPCRL_CHECKS") == "long":  # only the long-sequence layouts (7. below)
         from long_sequence_checks import long_sequence_checks
 
@@ -742,6 +749,11 @@ def main() -> None:
     from long_sequence_checks import long_sequence_checks
 
     long_sequence_checks(workers, res, tmp, timed)
+
+    # 8. Qwen3 and Qwen3-MoE: HF parity at every layout, expert parallel, the update at EP 1 and 2
+    from moe_checks import moe_checks
+
+    moe_checks(workers, res, tmp, timed)
 
     res["timings"]["total"] = round(time.time() - t_all, 1)
     Path(out_path).write_text(json.dumps(res, indent=1))

@@ -1,4 +1,4 @@
-"""HuggingFace <-> Megatron-core weights for Llama/Qwen2 models, for any TP x PP split.
+"""HuggingFace <-> Megatron-core weights for Llama/Qwen2/Qwen3/Qwen3-MoE models, for any TP x PP (x EP) split.
 
 Megatron fuses and shards differently from HF:
 - QKV is one column-parallel matrix laid out per KV group: [q heads of group g, k_g, v_g] for
@@ -7,6 +7,12 @@ Megatron fuses and shards differently from HF:
 - attention output and down projections are row-parallel (split along the input dim).
 - embedding and output layer are vocab-parallel (split along the vocab, padded to a TP multiple).
 - norms are replicated; pipeline stage p holds layers p*L/PP .. (p+1)*L/PP-1 as local 0..L/PP-1.
+- Qwen3's per-head q/k norms are megatron's q_layernorm / k_layernorm (replicated).
+- an MoE layer (Qwen3-MoE): the router `mlp.gate` is megatron's replicated `mlp.router`; expert e is
+  `mlp.experts.local_experts.<e - offset>` on the EP rank holding it (experts offset .. offset+E/EP-1),
+  each TP-sharded like a dense MLP (expert tensor parallel = TP). Megatron-side tensors that leave a
+  rank for conversion carry the global index (`global_expert_names`), so converting back needs no
+  knowledge of which EP rank sent them.
 With Transformer Engine the two pre-norms live inside the following linear layer.
 
 Conversion works on plain dicts of tensors, so it is testable without any process group, and
@@ -26,9 +32,10 @@ from hpcrl.engines.megatron.model import ModelArch, padded_vocab_size
 TensorGetter = Callable[[str], torch.Tensor]
 
 
-def _norm_names(spec: str) -> tuple[str, str]:
-    if spec == "te":
-        return "self_attention.linear_qkv.layer_norm_weight", "mlp.linear_fc1.layer_norm_weight"
+def _norm_names(spec: str, moe: bool = False) -> tuple[str, str]:
+    if spec == "te":  # (an MoE layer keeps its pre-MLP norm apart: no linear to fuse it into)
+        return ("self_attention.linear_qkv.layer_norm_weight",
+                "pre_mlp_layernorm.weight" if moe else "mlp.linear_fc1.layer_norm_weight")
     return "input_layernorm.weight", "pre_mlp_layernorm.weight"
 
 
@@ -71,13 +78,52 @@ def _vocab_shard(arch: ModelArch, w: torch.Tensor, tp_rank: int, tp_size: int) -
     return _chunk(w, 0, tp_rank, tp_size)
 
 
+EXPERTS = "mlp.experts.local_experts."
+
+
+def expert_range(arch: ModelArch, ep_rank: int, ep_size: int) -> range:
+    """The global indices of the experts EP rank `ep_rank` holds."""
+    per = arch.num_experts // ep_size
+    return range(ep_rank * per, (ep_rank + 1) * per)
+
+
+def global_expert_names(shard: dict[str, torch.Tensor], offset: int) -> dict[str, torch.Tensor]:
+    """`shard` with local expert indices renamed to global ones (offset: the first expert this EP rank holds)."""
+    if not offset:
+        return shard
+    out = {}
+    for k, v in shard.items():
+        if EXPERTS in k:
+            head, rest = k.split(EXPERTS)
+            index, tail = rest.split(".", 1)
+            k = f"{head}{EXPERTS}{int(index) + offset}.{tail}"
+        out[k] = v
+    return out
+
+
+def _mlp_to_megatron(get: TensorGetter, hf: str, mg: str, tp_rank: int, tp_size: int,
+                     out: dict[str, torch.Tensor]) -> None:
+    """gate/up -> linear_fc1 (this rank's [gate_r; up_r]), down -> linear_fc2 (row-parallel)."""
+    gate, up = get(hf + "gate_proj.weight"), get(hf + "up_proj.weight")
+    out[mg + "linear_fc1.weight"] = torch.cat([_chunk(gate, 0, tp_rank, tp_size), _chunk(up, 0, tp_rank, tp_size)])
+    out[mg + "linear_fc2.weight"] = _chunk(get(hf + "down_proj.weight"), 1, tp_rank, tp_size)
+
+
+def _mlp_to_hf(tp_shards: list[dict[str, torch.Tensor]], mg: str, hf: str, out: dict[str, torch.Tensor]) -> None:
+    gates, ups = zip(*(s[mg + "linear_fc1.weight"].chunk(2, dim=0) for s in tp_shards), strict=False)
+    out[hf + "gate_proj.weight"] = torch.cat(gates)
+    out[hf + "up_proj.weight"] = torch.cat(ups)
+    out[hf + "down_proj.weight"] = torch.cat([s[mg + "linear_fc2.weight"] for s in tp_shards], dim=1)
+
+
 def hf_to_megatron(arch: ModelArch, get: TensorGetter, tp_rank: int, tp_size: int, pp_rank: int,
-                   pp_size: int, spec: str = "local", lm_head: bool = True) -> dict[str, torch.Tensor]:
-    """The Megatron state dict of one (TP rank, PP stage) shard, read from HF tensors.
+                   pp_size: int, spec: str = "local", lm_head: bool = True, ep_rank: int = 0,
+                   ep_size: int = 1) -> dict[str, torch.Tensor]:
+    """The Megatron state dict of one (TP rank, PP stage, EP rank) shard, read from HF tensors.
     lm_head=False leaves the output layer out (a critic puts a value head there)."""
     out: dict[str, torch.Tensor] = {}
     first, last = pp_rank == 0, pp_rank == pp_size - 1
-    in_norm, mlp_norm = _norm_names(spec)
+    in_norm, mlp_norm = _norm_names(spec, arch.is_moe)
     if first:
         out["embedding.word_embeddings.weight"] = _vocab_shard(arch, get("model.embed_tokens.weight"), tp_rank,
                                                                tp_size)
@@ -92,10 +138,17 @@ def hf_to_megatron(arch: ModelArch, get: TensorGetter, tp_rank: int, tp_size: in
             out[m + "self_attention.linear_qkv.bias"] = _qkv_shard(
                 arch, get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias"), tp_rank, tp_size)
         out[m + "self_attention.linear_proj.weight"] = _chunk(get(a + "o_proj.weight"), 1, tp_rank, tp_size)
-        gate, up = get(h + "mlp.gate_proj.weight"), get(h + "mlp.up_proj.weight")
-        out[m + "mlp.linear_fc1.weight"] = torch.cat(
-            [_chunk(gate, 0, tp_rank, tp_size), _chunk(up, 0, tp_rank, tp_size)])
-        out[m + "mlp.linear_fc2.weight"] = _chunk(get(h + "mlp.down_proj.weight"), 1, tp_rank, tp_size)
+        if arch.qk_norm:
+            out[m + "self_attention.q_layernorm.weight"] = get(a + "q_norm.weight")
+            out[m + "self_attention.k_layernorm.weight"] = get(a + "k_norm.weight")
+        if arch.is_moe:
+            out[m + "mlp.router.weight"] = get(h + "mlp.gate.weight")
+            experts = expert_range(arch, ep_rank, ep_size)
+            for e in experts:
+                _mlp_to_megatron(get, f"{h}mlp.experts.{e}.", f"{m}{EXPERTS}{e - experts.start}.", tp_rank, tp_size,
+                                 out)
+        else:
+            _mlp_to_megatron(get, h + "mlp.", m + "mlp.", tp_rank, tp_size, out)
     if last:
         out["decoder.final_layernorm.weight"] = get("model.norm.weight")
         head = "model.embed_tokens.weight" if arch.tie_word_embeddings else "lm_head.weight"
@@ -114,10 +167,12 @@ def megatron_to_hf(arch: ModelArch, tp_shards: list[dict[str, torch.Tensor]], pp
 def megatron_to_hf_partial(arch: ModelArch, tp_shards: list[dict[str, torch.Tensor]], pp_rank: int, pp_size: int,
                            spec: str = "local") -> dict[str, torch.Tensor]:
     """HF tensors of whatever part of one pipeline stage the TP shards hold: the embedding, whole
-    layers (by their local index), the final norm and output layer. Resharding converts a stage
-    bucket by bucket with it, so no rank holds a whole stage in both layouts at once."""
+    layers (by their local index), the final norm and output layer; of an MoE layer, the experts
+    present (globally named: `global_expert_names`), with or without the rest of the layer.
+    Resharding converts a stage bucket by bucket with it, so no rank holds a whole stage in both
+    layouts at once."""
     out: dict[str, torch.Tensor] = {}
-    in_norm, mlp_norm = _norm_names(spec)
+    in_norm, mlp_norm = _norm_names(spec, arch.is_moe)
     s0 = tp_shards[0]
 
     def cat(name: str, dim: int) -> torch.Tensor:
@@ -129,6 +184,12 @@ def megatron_to_hf_partial(arch: ModelArch, tp_shards: list[dict[str, torch.Tens
     present = sorted({int(k.split(".")[2]) for k in s0 if k.startswith("decoder.layers.")})
     for local in present:
         h, m = f"model.layers.{first + local}.", f"decoder.layers.{local}."
+        if arch.is_moe:
+            for e in sorted({int(k[len(m + EXPERTS):].split(".")[0]) for k in s0 if k.startswith(m + EXPERTS)}):
+                _mlp_to_hf(tp_shards, f"{m}{EXPERTS}{e}.", f"{h}mlp.experts.{e}.", out)
+            if m + "mlp.router.weight" not in s0:
+                continue  # experts only (another EP rank's part of the layer)
+            out[h + "mlp.gate.weight"] = s0[m + "mlp.router.weight"]
         out[h + "input_layernorm.weight"] = s0[m + in_norm]
         out[h + "post_attention_layernorm.weight"] = s0[m + mlp_norm]
         a = h + "self_attn."
@@ -138,10 +199,11 @@ def megatron_to_hf_partial(arch: ModelArch, tp_shards: list[dict[str, torch.Tens
             q, k, v = _split_qkv(arch, [s[m + "self_attention.linear_qkv.bias"] for s in tp_shards])
             out[a + "q_proj.bias"], out[a + "k_proj.bias"], out[a + "v_proj.bias"] = q, k, v
         out[a + "o_proj.weight"] = cat(m + "self_attention.linear_proj.weight", 1)
-        gates, ups = zip(*(s[m + "mlp.linear_fc1.weight"].chunk(2, dim=0) for s in tp_shards), strict=False)
-        out[h + "mlp.gate_proj.weight"] = torch.cat(gates)
-        out[h + "mlp.up_proj.weight"] = torch.cat(ups)
-        out[h + "mlp.down_proj.weight"] = cat(m + "mlp.linear_fc2.weight", 1)
+        if arch.qk_norm:
+            out[a + "q_norm.weight"] = s0[m + "self_attention.q_layernorm.weight"]
+            out[a + "k_norm.weight"] = s0[m + "self_attention.k_layernorm.weight"]
+        if not arch.is_moe:
+            _mlp_to_hf(tp_shards, m + "mlp.", h + "mlp.", out)
     if "decoder.final_layernorm.weight" in s0:
         out["model.norm.weight"] = s0["decoder.final_layernorm.weight"]
     if "output_layer.weight" in s0 and not arch.tie_word_embeddings:

@@ -5,6 +5,7 @@ that builds it and the map of where each job lives.
                  value head; EngineOptions
   parallel.py    init_model_parallel: megatron's process groups (their one owner)
   context_parallel.py  CP: each sequence's chunks on the CP ranks, per-token results gathered back
+  moe.py         mixture of experts: megatron's MoE settings, router loss terms, routing statistics
   attention.py   the local spec's per-sequence attention (CP: keys and values gathered over CP)
   weights.py     weights in and out: HF / Megatron shards, adapters, HF export, offload
   forward.py     packed micro-batches, the forward schedule, log-probs, entropies, values
@@ -26,6 +27,7 @@ import torch
 from hpcrl.engines.megatron.forward import ForwardMixin, thd_params
 from hpcrl.engines.megatron.lora import LoraSettings, LoraState, apply_lora
 from hpcrl.engines.megatron.model import ModelArch, build_gpt_model, read_arch
+from hpcrl.engines.megatron.moe import MoeSettings
 from hpcrl.engines.megatron.optimizer import OptimizerMixin, OptimSettings, lr_factor, square_sum
 from hpcrl.engines.megatron.parallel import init_model_parallel
 from hpcrl.engines.megatron.train_step import TrainStepMixin
@@ -85,6 +87,8 @@ class EngineOptions:
     sequence_parallel: bool = False
     # activation recompute: none | selective (core attention) | full (every layer from its input)
     recompute: str = "none"
+    # an MoE model's router loss terms (hpcrl.engines.megatron.moe); ignored for dense models
+    moe: MoeSettings = field(default_factory=MoeSettings)
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -118,12 +122,16 @@ class MegatronEngine(WeightsMixin, ForwardMixin, TrainStepMixin, OptimizerMixin)
         self.replicas = self.cp_size * self.dp_size
         # the rank of a stage's DP replica that hands out per-sequence results (every CP rank has them)
         self.is_output_rank = self.tp_rank == 0 and self.cp_rank == 0
+        # MoE: this rank's experts are experts_offset .. + E / EP - 1 (EP ranks carved from DP x CP)
+        self.ep_rank = ps.get_expert_model_parallel_rank()
+        self.ep_size = ps.get_expert_model_parallel_world_size()
+        self.experts_offset = self.ep_rank * (arch.num_experts // self.ep_size) if arch.is_moe else 0
         if self.options.lora is not None and self.options.sequence_parallel:
             raise ValueError("LoRA adapters with sequence parallel are not supported: turn "
                              "actor.parallel.sequence_parallel off for LoRA runs")
         use_te = False if self.options.lora is not None else self.options.use_te
         self.model = build_gpt_model(self.arch, self.options.dtype, use_te, self.options.attention,
-                                     self.options.sequence_parallel, self.options.recompute)
+                                     self.options.sequence_parallel, self.options.recompute, self.options.moe)
         self.spec = self.model.hpcrl_spec
         if value_head and self.model.post_process:
             self.model.output_layer = ValueHead(self.arch.hidden_size, self.options.dtype,

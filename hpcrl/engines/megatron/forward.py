@@ -21,6 +21,7 @@ import torch
 
 from hpcrl.engines.megatron.attention import segments_of
 from hpcrl.engines.megatron.context_parallel import gather_row_values, local_part, padded_length
+from hpcrl.engines.megatron.moe import set_micro_batch_loss_scale
 from hpcrl.engines.megatron.packing import (
     PackedMicroBatch,
     Unit,
@@ -201,6 +202,10 @@ class ForwardMixin:
             # (TE's THD path rotates each sequence's chunks itself, from the cumulative lengths)
             self._rope["positions"] = mb.position_ids if shares_prefixes(mb) or (self.cp_size > 1 and not te) else None
             tokens, positions_ids = mb.tokens.to(device), mb.position_ids.to(device)
+            if self.arch.is_moe and not forward_only:
+                share = float(mb.extra["loss_weight"].sum()) if "loss_weight" in mb.extra else 1.0 / len(mbs)
+                local_tokens = mb.tokens.numel() // (self.tp_size if self.model.config.sequence_parallel else 1)
+                set_micro_batch_loss_scale(self.model, self.options.moe, share, local_tokens)
             if not te:  # local spec: the sequences' segments (or the dense block mask) carry the packing
                 mask = (mb.attention_mask if mb.attention_mask is not None
                         else segments_of(mb.placement, mb.tokens.shape[0]))

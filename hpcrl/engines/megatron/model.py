@@ -1,4 +1,4 @@
-"""Build a megatron-core GPTModel from a HuggingFace config (Llama and Qwen2 families).
+"""Build a megatron-core GPTModel from a HuggingFace config (Llama, Qwen2, Qwen3 and Qwen3-MoE families).
 
 The HF config is read once into `ModelArch`; everything downstream (layer specs, weight
 conversion, the rollout engine's name map) works from that one record.
@@ -9,19 +9,23 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
-SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "llama"}
+if TYPE_CHECKING:
+    from hpcrl.engines.megatron.moe import MoeSettings
+
+SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "llama",
+             "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
 # Reward models: the same backbones with a one-label `score` head (read by the engine's value head).
 SUPPORTED.update({k.replace("ForCausalLM", "ForSequenceClassification"): v for k, v in list(SUPPORTED.items())})
 
 
 @dataclass(frozen=True)
 class ModelArch:
-    """The shape of a Llama/Qwen2-family decoder, as megatron needs it."""
+    """The shape of a Llama/Qwen2/Qwen3-family decoder, as megatron needs it."""
 
     architecture: str
     vocab_size: int
@@ -38,10 +42,29 @@ class ModelArch:
     qkv_bias: bool
     # Llama-3.1-style frequency scaling of RoPE (factor), or None
     rope_llama3_factor: float | None = None
+    # Qwen3: an RMSNorm over each head's queries and keys before RoPE (megatron's qk_layernorm)
+    qk_norm: bool = False
+    # Mixture of experts (Qwen3-MoE; 0: dense): every layer's MLP is num_experts experts of
+    # moe_ffn_hidden_size each, top moe_topk per token, weights renormalised over the top k when
+    # norm_topk_prob (softmax over the top-k logits, megatron's default) or not (softmax over all)
+    num_experts: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_topk: int = 0
+    norm_topk_prob: bool = True
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def heads_per_group(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+
+def num_experts(hf: dict[str, Any]) -> int:
+    """Experts per MoE layer of a parsed config.json (0: dense). The Hub's Qwen3-MoE configs say
+    num_experts; transformers 5 writes num_local_experts."""
+    return int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
 
 
 def read_arch(model_path: str | Path) -> ModelArch:
@@ -57,6 +80,16 @@ def read_arch(model_path: str | Path) -> ModelArch:
     if rope_type not in ("default", "llama3"):
         raise ValueError(f"{model_path}: RoPE type {rope_type!r} is not supported (default, llama3).")
     heads = hf["num_attention_heads"]
+    family = SUPPORTED[arch]
+    experts = num_experts(hf) if family == "qwen3_moe" else 0
+    if experts:
+        dense_layers = list(hf.get("mlp_only_layers") or [])
+        if dense_layers or int(hf.get("decoder_sparse_step", 1)) != 1:
+            raise ValueError(f"{model_path}: MoE layers on some layers only (mlp_only_layers={dense_layers}, "
+                             f"decoder_sparse_step={hf.get('decoder_sparse_step')}); hpcrl converts models whose "
+                             "every layer is MoE")
+        if int(hf.get("shared_expert_intermediate_size") or 0):
+            raise ValueError(f"{model_path}: shared experts are not supported")
     return ModelArch(
         architecture=arch,
         vocab_size=hf["vocab_size"],
@@ -70,8 +103,13 @@ def read_arch(model_path: str | Path) -> ModelArch:
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
         max_position_embeddings=hf.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        qkv_bias=SUPPORTED[arch] == "qwen2" or bool(hf.get("attention_bias", False)),
+        qkv_bias=family == "qwen2" or bool(hf.get("attention_bias", False)),
         rope_llama3_factor=float(rope["factor"]) if rope_type == "llama3" else None,
+        qk_norm=family in ("qwen3", "qwen3_moe"),
+        num_experts=experts,
+        moe_ffn_hidden_size=int(hf.get("moe_intermediate_size") or 0) if experts else 0,
+        moe_topk=int(hf.get("num_experts_per_tok") or 0) if experts else 0,
+        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
     )
 
 
@@ -111,8 +149,11 @@ def recompute_settings(recompute: str) -> dict[str, Any]:
 
 
 def transformer_config(arch: ModelArch, tp: int, pp: int, dtype: torch.dtype, on_gpu: bool, cp: int = 1,
-                       sequence_parallel: bool = False, recompute: str = "none"):
+                       sequence_parallel: bool = False, recompute: str = "none", ep: int = 1,
+                       moe: MoeSettings | None = None):
     from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from hpcrl.engines.megatron.moe import moe_config_kwargs
 
     return TransformerConfig(
         num_layers=arch.num_layers,
@@ -149,7 +190,9 @@ def transformer_config(arch: ModelArch, tp: int, pp: int, dtype: torch.dtype, on
         # the loss function returns (sum, tokens, ...) with the global normalisation already applied
         calculate_per_token_loss=True,
         variable_seq_lengths=False,
+        qk_layernorm=arch.qk_norm,
         **recompute_settings(recompute),
+        **moe_config_kwargs(arch, moe, tp, ep),
     )
 
 
@@ -168,14 +211,16 @@ class SequenceParallelRMSNorm(torch.nn.RMSNorm):
 
 
 def build_gpt_model(arch: ModelArch, dtype: torch.dtype = torch.float32, use_te: bool | None = None,
-                    attention: str = "per_sequence", sequence_parallel: bool = False, recompute: str = "none"):
+                    attention: str = "per_sequence", sequence_parallel: bool = False, recompute: str = "none",
+                    moe: MoeSettings | None = None):
     """A GPTModel for this rank's pipeline stage, tensor shard and context-parallel slice
     (parallel_state must be set up).
 
     attention (local spec only): per_sequence (hpcrl.engines.megatron.attention, the attention mask
     argument is then the packing's segments) or dense (megatron's DotProductAttention with a
     block-diagonal mask). sequence_parallel: megatron's SP (TP > 1). recompute: none | selective |
-    full (`recompute_settings`)."""
+    full (`recompute_settings`). moe: the router's loss terms and routing replay of an MoE model
+    (hpcrl.engines.megatron.moe); its expert-parallel size is megatron's (init_model_parallel)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -190,11 +235,13 @@ def build_gpt_model(arch: ModelArch, dtype: torch.dtype = torch.float32, use_te:
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     cp = ps.get_context_parallel_world_size()
+    ep = ps.get_expert_model_parallel_world_size()
     if sequence_parallel and tp == 1:
         raise ValueError("sequence parallel needs tensor parallel > 1 (it shards the sequence over the TP ranks)")
-    config = transformer_config(arch, tp, pp, dtype, on_gpu, cp, sequence_parallel, recompute)
-    spec = (get_gpt_layer_with_transformer_engine_spec() if use_te
-            else get_gpt_layer_local_spec(normalization="RMSNorm"))
+    config = transformer_config(arch, tp, pp, dtype, on_gpu, cp, sequence_parallel, recompute, ep, moe)
+    experts = arch.num_experts or None
+    spec = (get_gpt_layer_with_transformer_engine_spec(experts, qk_layernorm=arch.qk_norm) if use_te
+            else get_gpt_layer_local_spec(experts, qk_layernorm=arch.qk_norm, normalization="RMSNorm"))
     if not use_te:
         if cp > 1 and attention != "per_sequence":
             raise ValueError(f"context parallel {cp} needs the per_sequence attention (model.local_attention), "
@@ -206,6 +253,9 @@ def build_gpt_model(arch: ModelArch, dtype: torch.dtype = torch.float32, use_te:
         if sequence_parallel:
             spec.submodules.input_layernorm = SequenceParallelRMSNorm
             spec.submodules.pre_mlp_layernorm = SequenceParallelRMSNorm
+            if arch.qk_norm:  # (per head, not per token: what the TP ranks sum is their heads' part)
+                attn = spec.submodules.self_attention.submodules
+                attn.q_layernorm = attn.k_layernorm = SequenceParallelRMSNorm
             # the block's final norm too: megatron would build its torch-norm wrapper there
             spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config),
                                               layer_norm=SequenceParallelRMSNorm)
@@ -223,6 +273,12 @@ def build_gpt_model(arch: ModelArch, dtype: torch.dtype = torch.float32, use_te:
         rope_scaling_factor=arch.rope_llama3_factor or 8.0,
         parallel_output=True,
     )
+    if tp > 1 and arch.qk_norm:
+        # the q/k norms are shared by the heads, which TP splits: their gradients are partial sums
+        # over TP, reduced like the sequence-parallel norms' (the engine all-reduces marked ones)
+        for name, p in model.named_parameters():
+            if "q_layernorm" in name or "k_layernorm" in name:
+                p.sequence_parallel = True
     model.hpcrl_spec = "te" if use_te else "local"
     model.hpcrl_attention = "te" if use_te else attention
     mark_tensor_parallel_params(model)

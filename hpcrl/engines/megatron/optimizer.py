@@ -75,7 +75,9 @@ class OptimizerMixin:
         # (fewer tensors than DP ranks would leave a rank with nothing to step: not cut then)
         # over the DP x CP replicas (as megatron's distributed optimizer): CP ranks hold the same
         # weights and gradients, so CP cuts the state per rank as DP does
-        if optim.shard_over_dp and 1 < self.replicas <= len(self.trainable):
+        # (not with expert parallel: the EP ranks of one DP x CP group step different experts)
+        expert_parallel = self.arch.is_moe and ps.get_expert_model_parallel_world_size() > 1
+        if optim.shard_over_dp and 1 < self.replicas <= len(self.trainable) and not expert_parallel:
             self.shards = OptimizerShards([p.numel() for p in self.trainable],
                                           ps.get_data_parallel_group(with_context_parallel=True))
         owned = [self.steps_here(i) for i in range(len(self.trainable))]
@@ -197,8 +199,9 @@ class OptimizerMixin:
         for p in params:
             if self._grad(p) is None:
                 p.grad = torch.zeros_like(p)
-        if self.tp_size > 1 and self.model.config.sequence_parallel:
-            # a norm weight under SP saw only this rank's slice of the sequence: sum the TP partials
+        if self.tp_size > 1:
+            # a norm weight under SP saw only this rank's slice of the sequence, a q/k norm only this
+            # rank's heads (and an MoE router under SP its slice of the tokens): sum the TP partials
             tp_group = ps.get_tensor_model_parallel_group()
             for work in [dist.all_reduce(self._grad(p), group=tp_group, async_op=True) for p in params
                          if getattr(p, "sequence_parallel", False)]:
@@ -209,7 +212,11 @@ class OptimizerMixin:
             # model's 540 MB of gradients took 1.5 s of its 2 workers' optimizer steps (py-spy).
             # Summed over DP and CP: a CP rank's loss is its tokens' share of the mini-batch's.
             group = ps.get_data_parallel_group(with_context_parallel=True)
-            for work in [dist.all_reduce(self._grad(p), group=group, async_op=True) for p in params]:
+            # an MoE layer's experts (megatron marks them allreduce=False) are copies on the expert-DP
+            # ranks only: DP x CP / EP of them, each EP rank holding other experts
+            expert_group = ps.get_expert_data_parallel_group() if self.arch.is_moe else None
+            for work in [dist.all_reduce(self._grad(p), group=group if getattr(p, "allreduce", True)
+                                         else expert_group, async_op=True) for p in params]:
                 work.wait()
         if self.arch.tie_word_embeddings and self.pp_size > 1 and ps.is_rank_in_embedding_group():
             w = self.model.shared_embedding_or_output_weight()
@@ -224,19 +231,28 @@ class OptimizerMixin:
 
         sharded = torch.zeros(1, dtype=torch.float64)
         replicated = torch.zeros(1, dtype=torch.float64)
+        experts = torch.zeros(1, dtype=torch.float64)  # TP shards of this EP rank's experts
         tied_copy = (self.model.output_layer.weight if self.arch.tie_word_embeddings and self.pp_size > 1
                      and not self.model.pre_process and self.model.post_process else None)
         for p in self.trainable:
             if self._grad(p) is None or p is tied_copy:
                 continue
             sq = square_sum(self._grad(p))
-            if getattr(p, "tensor_model_parallel", False):
+            if not getattr(p, "allreduce", True):
+                experts += sq
+            elif getattr(p, "tensor_model_parallel", False):
                 sharded += sq
             else:
                 replicated += sq
         if self.tp_size > 1:
             dist.all_reduce(sharded, group=ps.get_tensor_model_parallel_group())
-        total = sharded + replicated
+        if self.arch.is_moe:
+            # expert tensor parallel = TP; the EP ranks hold different experts
+            if self.tp_size > 1:
+                dist.all_reduce(experts, group=ps.get_expert_tensor_parallel_group())
+            if ps.get_expert_model_parallel_world_size() > 1:
+                dist.all_reduce(experts, group=ps.get_expert_model_parallel_group())
+        total = sharded + replicated + experts
         if self.pp_size > 1:
             dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
         norm = float(total.sqrt())

@@ -9,9 +9,11 @@ micro-batches, DP (and CP) ranks and pipeline stages.
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 
+from hpcrl.engines.megatron.moe import RoutingStats
 from hpcrl.engines.megatron.packing import PackedMicroBatch
 
 
@@ -58,7 +60,8 @@ class TrainStepMixin:
         # the actor's logits only where a loss weight is (response tokens of the mini-batch)
         select = (None if self.value_head or "loss_weight" not in (token_fields or {})
                   else lambda mb: (mb.extra["loss_weight"] > 0) & mb.label_mask.bool())
-        store = self._run(mbs, micro_loss, forward_only=False, positions=select)
+        with RoutingStats(self.model, self.arch) if self.arch.is_moe else nullcontext() as routing:
+            store = self._run(mbs, micro_loss, forward_only=False, positions=select)
         self._positions = None
         self._finish_grads()
         if self.record_grads is not None:
@@ -66,7 +69,8 @@ class TrainStepMixin:
                                       for n, p in self.named_trainable()})
         grad_norm = self._clip_grads(self.optim.clip_grad)
         finite = self._apply_update(grad_norm)
-        return {**self._sum_metrics(store), "grad_norm": grad_norm, "lr": self.optimizer.param_groups[0]["lr"],
+        return {**self._sum_metrics(store), **self._routing_metrics(routing), "grad_norm": grad_norm,
+                "lr": self.optimizer.param_groups[0]["lr"],
                 "nonfinite_skipped": float(not finite), "nonfinite_in_a_row": float(self.nonfinite_in_a_row)}
 
     def _sum_metrics(self, store: list[dict[str, torch.Tensor]]) -> dict[str, float]:
@@ -92,3 +96,24 @@ class TrainStepMixin:
         dist.all_reduce(sums, group=replicas)
         dist.all_reduce(maxes, op=dist.ReduceOp.MAX, group=replicas)
         return dict(zip(keys, torch.where(is_max, maxes, sums).tolist(), strict=True))
+
+    def _routing_metrics(self, routing: RoutingStats | None) -> dict[str, float]:
+        """An MoE model's routing in this update (hpcrl.engines.megatron.moe), averaged over its MoE
+        layers: tokens per expert (max / mean), load-balancing loss, router entropy."""
+        if routing is None:
+            return {}
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        # the ranks that routed different tokens: DP x CP, and TP under SP (each its slice)
+        groups = [ps.get_data_parallel_group(with_context_parallel=True)]
+        if self.tp_size > 1 and self.model.config.sequence_parallel:
+            groups.append(ps.get_tensor_model_parallel_group())
+        routing.reduce(groups)
+        local = routing.metrics()
+        keys = ["moe/layers", "moe/tokens_per_expert_max_over_mean", "moe/load_balancing_loss", "moe/router_entropy"]
+        vec = torch.tensor([local.get(k, 0.0) for k in keys], dtype=torch.float64)
+        if self.pp_size > 1:  # each stage its layers' sums
+            dist.all_reduce(vec, group=ps.get_pipeline_model_parallel_group())
+        layers = float(vec[0])
+        return {k: float(v) / layers for k, v in zip(keys[1:], vec[1:], strict=True)} if layers else {}

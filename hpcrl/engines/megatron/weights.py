@@ -12,7 +12,7 @@ from collections.abc import Mapping
 
 import torch
 
-from hpcrl.engines.megatron.convert import SafetensorsReader, hf_to_megatron, megatron_to_hf
+from hpcrl.engines.megatron.convert import SafetensorsReader, global_expert_names, hf_to_megatron, megatron_to_hf
 from hpcrl.engines.megatron.lora import MergedShard, adapters_from_hf, read_peft_folder
 
 
@@ -23,7 +23,7 @@ class WeightsMixin:
         """Load this shard from a HF folder, reading only the tensors it needs."""
         reader = SafetensorsReader(model_path)
         shard = hf_to_megatron(self.arch, reader, self.tp_rank, self.tp_size, self.pp_rank, self.pp_size,
-                               self.spec, lm_head=not self.value_head)
+                               self.spec, lm_head=not self.value_head, ep_rank=self.ep_rank, ep_size=self.ep_size)
         if self.value_head and self.model.post_process:
             # a fresh head: the LM head's weights are not values
             shard.update({f"output_layer.{k}": v for k, v in self.model.output_layer.state_dict().items()})
@@ -93,14 +93,19 @@ class WeightsMixin:
                 if self.value_head and k.startswith("output_layer.")}
         mine = {k: v.detach().cpu() for k, v in source.items() if not k.startswith("output_layer.")
                 or not self.value_head}
+        mine = global_expert_names(mine, self.experts_offset)
         if self.tp_size == 1:
             gathered = [mine]
         else:
             gathered = [None] * self.tp_size
             dist.all_gather_object(gathered, mine, group=ps.get_tensor_model_parallel_group())
-            if self.tp_rank != 0:
-                return None
-        out = megatron_to_hf(self.arch, gathered, self.pp_rank, self.pp_size, self.spec)
+        out = megatron_to_hf(self.arch, gathered, self.pp_rank, self.pp_size, self.spec) if self.tp_rank == 0 else {}
+        if self.ep_size > 1:  # every EP rank's experts (the rest of the stage is the same on all)
+            parts: list[dict[str, torch.Tensor] | None] = [None] * self.ep_size
+            dist.all_gather_object(parts, out, group=ps.get_expert_model_parallel_group())
+            out = {k: v for part in parts for k, v in part.items()}
+        if self.tp_rank != 0:
+            return None
         if tensors is not None:
             out.update(head)  # the weights' export (HF folders) has no place for a value head
         return out

@@ -16,7 +16,7 @@ from __future__ import annotations
 import gc
 import os
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -155,6 +155,8 @@ class RolloutEngine:
         self.dp_rank = rank // tensor_parallel
         self.dp_size = world // tensor_parallel
         self.llm = LLM(**kwargs)
+        hf = self.llm.llm_engine.vllm_config.model_config.hf_config
+        self.moe = bool(getattr(hf, "num_experts", 0) or getattr(hf, "num_local_experts", 0))
         cache = self.llm.llm_engine.vllm_config.cache_config
         self.block_size = int(cache.block_size)
         self.prefix_caching = bool(cache.enable_prefix_caching)
@@ -247,7 +249,18 @@ class RolloutEngine:
         `weights` may be a lazy iterator: vLLM consumes it layer by layer inside one reload (which
         re-packs each layer for the CPU kernels once it is complete), so a producer that fills it
         bucket by bucket keeps only one bucket alive. vLLM slices each tensor for its own TP rank."""
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
+        names: list[str] = []
+
+        def noting(pairs: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in pairs:
+                names.append(name)
+                yield name, tensor
+
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": noting(weights)})
+        if self.cpu_sleep and self.moe:  # vLLM's reload leaves the CPU MoE kernel's weights unpacked
+            from hpcrl.engines.vllm.cpu_moe import reloaded_expert_prefixes, repack_experts
+
+            self.llm.collective_rpc(repack_experts, args=(reloaded_expert_prefixes(names),))
         self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
 
     def sleep(self) -> bool:
