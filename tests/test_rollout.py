@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import IN_CI, PYTHON, run
+from conftest import IN_CI, PYTHON, REPO, run
 
 from hpcrl.launch import entry_argv, mpiexec_command
 from hpcrl.launch.shm import SHM_DIR, remove_stale_segments, segment_age_s, stale_segments
@@ -25,6 +25,8 @@ SCENARIOS = ["tiny_tp1", "tiny_tp2", "smollm2_tp1"]
 # + LoRA adapters at TP=1 PP=1 (DP=4): every rank holds the whole model, so nothing travels; each
 # merges its own adapters into what it pushes
 LORA_SCENARIO = "tiny_lora_tp1"
+# the tiny Qwen3-MoE: Megatron TP=2 SP -> rollout TP=1, and TP=1 -> rollout TP=2 with routing replay
+MOE_SCENARIOS = ["moe_tp1", "moe_tp2"]
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +54,7 @@ def checks(tmp_path_factory: pytest.TempPathFactory, killed_world: dict) -> dict
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("scenario", [*SCENARIOS, LORA_SCENARIO])
+@pytest.mark.parametrize("scenario", [*SCENARIOS, LORA_SCENARIO, *MOE_SCENARIOS])
 def test_vllm_logprobs_match_actor_after_each_reshard(checks: dict, scenario: str) -> None:
     s = checks[scenario]
     assert s["gap_after_reshard_1"] < 1e-4, s
@@ -98,7 +100,7 @@ def test_memory_plan_terms_match_what_a_rollout_rank_holds(checks: dict, scenari
     assert 0.95 * planned["reshard"] <= peak <= planned["reshard"], (peak, planned)
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("scenario", [*SCENARIOS, "moe_tp1"])
 def test_reshard_moves_only_what_is_missing_in_bounded_buckets(checks: dict, scenario: str) -> None:
     s = checks[scenario]
     for st in s["reshard_2"]:
@@ -112,6 +114,40 @@ def test_reshard_moves_only_what_is_missing_in_bounded_buckets(checks: dict, sce
         assert st["peak_extra_bytes"] <= 2 * st["largest_bucket_bytes"], st
         if scenario.startswith("smollm2"):  # 30 layers (the tiny model's 2 layers are 2 units)
             assert st["peak_extra_bytes"] < st["model_bytes"] / 2, st
+
+
+def test_moe_reshard_bytes_equal_a_count_by_hand(checks: dict) -> None:
+    """Megatron TP=2 -> rollout TP=1: each rank receives the other TP rank's part of every tensor, the
+    experts' included (fused into vLLM's w13 / w2 on arrival), the replicated router and norms too."""
+    from safetensors import safe_open
+
+    h = safe_open(str(REPO / "models" / "tiny-qwen3-moe" / "model.safetensors"), framework="pt")
+    per_rank = 0
+    for k in h.keys():
+        n = h.get_slice(k).get_shape()
+        nbytes = 4 * int(torch.Size(n).numel())
+        replicated = "norm" in k or k.endswith("mlp.gate.weight")  # norms, q/k norms, routers
+        per_rank += nbytes if replicated else nbytes // 2
+    assert checks["moe_tp1"]["layout"] == {"tp": 2, "pp": 1, "dp": 2}
+    for st in checks["moe_tp1"]["reshard_2"]:
+        assert st["bytes_received"] == st["min_bytes_received"] == per_rank, (st, per_rank)
+
+
+def test_routing_replay_uses_vllms_experts_for_every_token(checks: dict) -> None:
+    """vLLM records the experts of every token it computed (all but each sequence's last, never fed
+    back); the actor's routers replaying them use exactly those. Routing on their own they choose the
+    same (fp32: the same router logits within 1e-6, the tiny model's top-2 margins >= 7e-4). The
+    control: with 30% of the tokens given another first expert, the routers use the changed experts
+    and the log-probs move away from vLLM's, so the replay is not the free routing by coincidence."""
+    r = checks["routing_replay"]
+    assert r["layers"] == 4 and r["k"] == 2 and r["unknown_are_last_tokens"], r
+    assert r["known"] == r["tokens"] - r["rows"], r
+    assert r["replayed_differ"] == 0 and r["free_differ"] == 0, r
+    assert r["changed_tokens"] > 0.2 * r["known"], r
+    assert r["replayed_changed_differ"] == 0, r
+    assert r["replayed_changed_vs_original"] == r["changed_tokens"] * r["layers"], r
+    assert r["gap_replay"]["rollout_actor_logprob_gap_max"] <= 1e-4, r
+    assert r["gap_changed"]["rollout_actor_logprob_gap_max"] > 1e-2, r
 
 
 def test_greedy_vllm_equals_hf_greedy(checks: dict) -> None:

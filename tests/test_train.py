@@ -8,6 +8,7 @@ The GRPO run is the session fixture `grpo_reference` (conftest.py), shared with 
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -469,9 +470,10 @@ def test_long_sequence_config_runs_two_steps(tmp_path: Path) -> None:
 
 def test_moe_config_runs_two_steps_and_resumes(tmp_path: Path) -> None:
     """configs/grpo_tiny_moe.yaml end to end (tiny Qwen3-MoE, TP=2 with sequence parallel, the routers'
-    load-balancing loss), with vLLM's fused-MoE engines at rollout TP 2: 2 steps, the rollout-vs-actor
-    gap of fp32 after each weight sync, the routing metrics; then a third step resumed from step 2's
-    checkpoint."""
+    load-balancing loss, routing replay), with vLLM's fused-MoE engines at rollout TP 2: 2 steps, the
+    rollout-vs-actor gap of fp32 after each weight sync (0.16 nats before vLLM's CPU MoE weights were
+    packed again after a reload: hpcrl.engines.vllm.cpu_moe), the routing metrics; then a third step
+    resumed from step 2's checkpoint."""
     d = tmp_path / "run"
     args = [HPCRL, "run", "configs/grpo_tiny_moe.yaml", f"trainer.run_dir={d}", "rollout.tensor_parallel=2"]
     r = run([*args, "trainer.total_steps=2"], timeout=900)
@@ -483,9 +485,28 @@ def test_moe_config_runs_two_steps_and_resumes(tmp_path: Path) -> None:
         assert m["rollout_actor_logprob_gap_max"] < 1e-4, m
         assert m["actor/moe/tokens_per_expert_max_over_mean"] >= 1.0 and m["actor/moe/load_balancing_loss"] >= 1.0, m
         assert 0 < m["actor/moe/router_entropy"] < 2.0795, m  # below log(8 experts)
+        # routing replay (the config's rollout.routing_replay): every token but each sequence's last
+        # (which vLLM never routes) and the rows' padding takes vLLM's experts in the update
+        assert 0.9 < m["actor/moe/replayed_share"] < 1.0, m
     log = (d / "logs" / "controller.log").read_text()
     assert "actor TP=2 PP=1 DP=2 SP" in log, log[-3000:]
     r = run([*args, "trainer.total_steps=3"], timeout=900)
     assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}"
     assert [m["step"] for m in read_jsonl(d / "metrics.jsonl")] == [1, 2, 3]
     assert "resumed from" in (d / "logs" / "controller.log").read_text()
+    # bit-exact: an uninterrupted 3-step run gives the same step-3 metrics and actor checkpoint
+    ref = tmp_path / "uninterrupted"
+    r = run([HPCRL, "run", "configs/grpo_tiny_moe.yaml", f"trainer.run_dir={ref}", "rollout.tensor_parallel=2",
+             "trainer.total_steps=3"], timeout=900)
+    assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}"
+    resumed, straight = read_jsonl(d / "metrics.jsonl")[-1], read_jsonl(ref / "metrics.jsonl")[-1]
+    timing = ("time/", "throughput/", "memory/", "trace/")  # (tests/test_resume.py's TIMING)
+    differ = [k for k in set(resumed) | set(straight) if not k.startswith(timing) and resumed.get(k) != straight.get(k)]
+    assert differ == [], {k: (resumed.get(k), straight.get(k)) for k in differ}
+
+    def actor_digests(run_dir: Path) -> dict[str, str]:
+        files = json.loads((run_dir / "checkpoints" / "step_00000003" / "manifest.json").read_text())["files"]
+        items = files.items() if isinstance(files, dict) else ((f["path"], f) for f in files)
+        return {path: rec["sha256"] for path, rec in items if path.startswith("actor/")}
+
+    assert actor_digests(d) and actor_digests(d) == actor_digests(ref)

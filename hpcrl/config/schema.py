@@ -256,6 +256,10 @@ class RolloutConfig:
     # Nothing is generated for a step past trainer.total_steps. A run resumed with a smaller value than
     # its checkpoint's batches were generated with regenerates those that would be staler (logged).
     max_staleness: int | None = None
+    # MoE models (routing replay, "R3"): vLLM's engines record the experts every token was routed to,
+    # and the actor's forwards (old log-probs and the update) use those experts instead of routing
+    # again, so both sides compute each token with the same experts.
+    routing_replay: bool = False
     # Passed through to vllm.LLM(...) as they are (e.g. enforce_eager, max_num_seqs).
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)

@@ -509,6 +509,17 @@ def _check_moe(cfg: DictConfig, problems: list[str]) -> None:
                             f"{w} trainer workers / TP={p.tensor_parallel} x PP={p.pipeline_parallel}); the EP ranks "
                             f"are carved out of the data- and context-parallel ranks. Use expert_parallel in "
                             f"{{{_divisors(room)}}}.")
+    if not cfg.rollout.routing_replay:
+        return
+    if is_dpo(cfg):
+        problems.append("rollout.routing_replay=true: algorithm.name=dpo has no rollout whose routing could be "
+                        "replayed (it trains on fixed preference pairs). Set it to false.")
+    if cfg.rollout.multi_turn.enable:
+        problems.append("rollout.routing_replay=true: not with rollout.multi_turn.enable=true yet (the tool turns' "
+                        "tokens are not routed by vLLM). Set one of them to false.")
+    if cfg.actor.recompute != "none":
+        problems.append(f"rollout.routing_replay=true: not with actor.recompute={cfg.actor.recompute} (the "
+                        "recomputed forward would route again). Set actor.recompute=none.")
 
 
 def value_problems(cfg: DictConfig) -> list[str]:

@@ -73,7 +73,9 @@ def pad_concat(batches: Sequence[Batch]) -> Batch:
     for b in batches:
         grow = width - b["input_ids"].shape[1]
         if grow:
-            b = Batch({k: torch.nn.functional.pad(b[k], (0, grow)) if b[k].dim() == 2 else b[k] for k in b.keys()})
+            # token-aligned fields are [B, S, ...] (routed_experts: [B, S, layers, k]): pad dim 1
+            b = Batch({k: torch.nn.functional.pad(b[k], (0, 0) * (b[k].dim() - 2) + (0, grow)) if b[k].dim() >= 2
+                       else b[k] for k in b.keys()})
         padded.append(b)
     return Batch.concat(padded)
 

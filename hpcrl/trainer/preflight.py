@@ -6,7 +6,8 @@ process or allocation starts, with the same exit 2 naming the key as the config'
   - the registries: LoRA targets against the engine's layers, multi-turn tools and formats against
     the agents' built-ins, custom classes and reward modules importable
   - with check_paths (not `--skip-path-checks`): the model folder, its architecture, and its shape
-    (heads, layers, experts) against the layouts and the MoE keys,
+    (heads, layers, experts) against the layouts, the MoE keys and the LoRA targets (attention only on
+    an MoE model),
     data files and their rows (usable, and each data_source scorable by the builtin reward), the
     adapters' folder, the resume folder, wandb installed
 
@@ -40,6 +41,7 @@ def preflight(cfg: DictConfig, check_paths: bool = True) -> None:
         if hf is not None and _check_architecture("model.path", cfg.model.path, hf, problems):
             _check_model_shape(cfg, hf, problems)
             _check_experts(cfg, hf, problems)
+            _check_lora_moe_targets(cfg, hf, problems)
     if problems:
         raise ConfigError(problems)
 
@@ -54,6 +56,27 @@ def _check_lora_targets(cfg: DictConfig, problems: list[str]) -> None:
         resolve_targets(list(lora.target_modules))
     except ValueError as e:
         problems.append(f"{e}.")
+
+
+def _check_lora_moe_targets(cfg: DictConfig, hf: dict[str, Any], problems: list[str]) -> None:
+    """LoRA targets against an MoE model (num_experts or num_local_experts > 0): its MLPs are a router
+    and experts, which LoRA does not adapt; all-linear means the attention there, MLP layers named in
+    actor.lora.target_modules are refused (hpcrl.engines.megatron.lora.resolve_targets)."""
+    lora = cfg.actor.lora
+    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    if not lora.rank or not experts:
+        return
+    from hpcrl.engines.megatron.lora import resolve_targets
+
+    names = list(lora.target_modules)
+    try:
+        resolve_targets(names)
+    except ValueError:
+        return  # _check_lora_targets reports it
+    try:
+        resolve_targets(names, moe=True)
+    except ValueError as e:
+        problems.append(f"{e} (model.path={cfg.model.path!r} has {experts} experts per layer).")
 
 
 def _check_multi_turn_registry(cfg: DictConfig, check_paths: bool, problems: list[str]) -> None:
@@ -185,6 +208,9 @@ def _check_experts(cfg: DictConfig, hf: dict[str, Any], problems: list[str]) -> 
                 if dotted_value(cfg, key) > 0:  # (below 0: the range check reports it)
                     problems.append(f"{key}={dotted_value(cfg, key)}: {dense}; it has no routers to regularise. "
                                     "Set it to 0.")
+        if cfg.rollout.routing_replay and not is_dpo(cfg):
+            problems.append(f"rollout.routing_replay=true: {dense}; there is no expert routing to replay. Set it "
+                            "to false.")
         return
     dense_layers = list(hf.get("mlp_only_layers") or [])
     if dense_layers or hf.get("decoder_sparse_step", 1) not in (1, None):

@@ -72,7 +72,7 @@ def build_rollout_engine(cfg: dict[str, Any], model_path: str, arch: Any, dtype:
         kv_gib = cpu_kv_cache_gib_needed(arch, cfg, dtype.itemsize)
     return RolloutEngine(model_path, tensor_parallel=r["tensor_parallel"], dtype=dtype, seed=cfg["trainer"]["seed"],
                          cpu_kv_cache_gib=kv_gib, gpu_memory_utilization=r["gpu_memory_utilization"],
-                         engine_kwargs=engine_kwargs)
+                         engine_kwargs=engine_kwargs, routing_replay=bool(r.get("routing_replay", False)))
 
 
 # generation spans a worker keeps between two `generation_spans` calls (a step makes a few)
@@ -236,8 +236,14 @@ def _assemble(prompts: list[list[int]], per_prompt: list[list[Completion]]) -> B
         attn[r, :end] = 1
         resp[r, len(p):end] = 1
         lp[r, len(p):end] = torch.tensor(c.logprobs)
-    return Batch({"input_ids": ids, "attention_mask": attn, "response_mask": resp, "rollout_logprob": lp,
-                  "prompt_index": torch.tensor([i for i, _, _ in rows])})
+    batch = Batch({"input_ids": ids, "attention_mask": attn, "response_mask": resp, "rollout_logprob": lp,
+                   "prompt_index": torch.tensor([i for i, _, _ in rows])})
+    if rows and rows[0][2].routed_experts is not None:  # routing replay: [B*n, S, layers, k], -1 unknown
+        routes = torch.full((n, width, *rows[0][2].routed_experts.shape[1:]), -1, dtype=torch.int16)
+        for r, (_, _, c) in enumerate(rows):
+            routes[r, :c.routed_experts.shape[0]] = c.routed_experts
+        batch["routed_experts"] = routes
+    return batch
 
 
 def generate_each(group: Any, requests: Sequence[Sequence[int]], sampling: SamplingSettings,

@@ -94,7 +94,9 @@ class MegatronRole(Worker):
         moe = section.get("moe") if trains else None
         if moe:
             options.moe = MoeSettings(aux_loss_coeff=float(moe.get("aux_loss_coeff", 0.0)),
-                                      z_loss_coeff=float(moe.get("z_loss_coeff", 0.0)))
+                                      z_loss_coeff=float(moe.get("z_loss_coeff", 0.0)),
+                                      # the actor's forwards replay the rollout's experts (R3)
+                                      routing_replay=role == "actor" and bool(cfg["rollout"].get("routing_replay")))
         if role == "actor":
             options.lora = lora_settings(cfg)
             options.lora_adapters = (cfg["actor"].get("lora") or {}).get("adapters") if options.lora else None
@@ -179,6 +181,22 @@ class MegatronRole(Worker):
             with lora.adapters_off():
                 yield
 
+    def _routes(self, batch: Batch, seqs: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """Per sequence, the experts the rollout routed each token to (routing replay), or None."""
+        if not self.engine.options.moe.routing_replay or "routed_experts" not in batch.keys():
+            return None
+        routes = batch["routed_experts"]
+        return [routes[i, :s.numel()] for i, s in enumerate(seqs)]
+
+    @contextlib.contextmanager
+    def _replaying(self, routes: list[torch.Tensor] | None) -> Iterator[None]:
+        """The engine's forwards inside replay `routes` (None: route freely)."""
+        self.engine.routes = routes
+        try:
+            yield
+        finally:
+            self.engine.routes = None
+
     @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP)
     def compute_logprob(self, batch: Batch, response_only: bool = False, adapters: bool = True
                         ) -> torch.Tensor | None:
@@ -187,11 +205,23 @@ class MegatronRole(Worker):
         the frozen base of a LoRA actor (its reference policy)."""
         seqs = sequences(batch)
         positions = ([m > 0 for m in to_label_aligned(batch, "response_mask", seqs)] if response_only else None)
-        with self._adapters(adapters):
+        with self._adapters(adapters), self._replaying(self._routes(batch, seqs)):
             lp = self.engine.compute_logprob(seqs, self.temperature, positions)
         if lp is None or not self.engine.is_output_rank:
             return None
         return to_token_aligned(lp, tuple(batch["input_ids"].shape))
+
+    @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP)
+    def routed_experts(self, batch: Batch, replay: bool = True) -> torch.Tensor:
+        """The experts this MoE actor's routers use for every token [B, S, layers, k] (sorted; -1 past
+        each sequence), replaying the batch's `routed_experts` or (replay=False) routing freely. Checks;
+        TP = PP = CP = 1."""
+        seqs = sequences(batch)
+        used = self.engine.routed_experts(seqs, self._routes(batch, seqs) if replay else None)
+        out = torch.full((len(seqs), batch["input_ids"].shape[1], *used[0].shape[1:]), -1, dtype=torch.int16)
+        for i, u in enumerate(used):
+            out[i, :u.shape[0]] = u
+        return out
 
     @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.DP)
     def compute_entropy(self, batch: Batch) -> torch.Tensor | None:
@@ -219,14 +249,16 @@ class MegatronRole(Worker):
         FIRST_STEP_ONLY* come from the first step alone (after_step[0] counts the steps taken)."""
         seqs_all = sequences(batch)
         label_fields = {k: to_label_aligned(batch, k, seqs_all) for k in [*fields, "loss_weight"]}
+        routes_all = self._routes(batch, seqs_all)
         chunks = torch.arange(len(batch)).chunk(num_minibatches)
         history: list[dict[str, float]] = []
         for _ in range(epochs):
             for idx in chunks:
                 rows = idx.tolist()
-                history.append(self.engine.train_step(
-                    [seqs_all[i] for i in rows], {k: [v[i] for i in rows] for k, v in label_fields.items()},
-                    loss_fn, need_entropy=need_entropy, temperature=self.temperature, entropy_grad=entropy_grad))
+                with self._replaying(None if routes_all is None else [routes_all[i] for i in rows]):
+                    history.append(self.engine.train_step(
+                        [seqs_all[i] for i in rows], {k: [v[i] for i in rows] for k, v in label_fields.items()},
+                        loss_fn, need_entropy=need_entropy, temperature=self.temperature, entropy_grad=entropy_grad))
                 if after_step is not None:
                     after_step[0] += 1
         first = {k: history[0].pop(k) for k in list(history[0]) if k.startswith(FIRST_STEP_ONLY)}

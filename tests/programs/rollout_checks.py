@@ -34,6 +34,7 @@ from hpcrl.workers.actor_rollout import ActorRolloutRole
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "models" / "tiny-qwen2")
 SMOLLM2 = str(REPO / "models" / "smollm2-135m-instruct")
+MOE = str(REPO / "models" / "tiny-qwen3-moe")
 
 
 def _sibling(name: str) -> Any:
@@ -354,6 +355,51 @@ def multi_turn_checks(group: Any, tok: Any, prompts: list[list[int]]) -> dict[st
     }
 
 
+def routing_replay_checks(group: Any, prompts: list[list[int]]) -> dict[str, Any]:
+    """Sampled rollouts of the MoE model with their recorded experts: the actor's routers replay them
+    exactly, route the same on their own (fp32: the same logits), and replay changed experts too (the
+    control: replay is not the free routing by coincidence)."""
+    from hpcrl.engines.vllm import SamplingSettings
+    from hpcrl.workers.actor_rollout import generate, logprob_gap
+
+    b = generate(group, prompts, SamplingSettings(n=2, temperature=1.0, max_new_tokens=16, seed=5))
+    routes = b["routed_experts"].long()
+    lengths = b["attention_mask"].sum(-1)
+    inside = torch.arange(routes.shape[1])[None, :] < lengths[:, None]
+    known = inside & (routes[..., 0, 0] >= 0)
+    last = torch.zeros_like(inside)
+    last[torch.arange(len(b)), lengths - 1] = True
+
+    def differ(used: torch.Tensor, want: torch.Tensor) -> int:
+        """Tokens (x MoE layers) where the experts used are not the wanted ones."""
+        return int((used.long() != want.sort(-1).values).any(-1)[known].sum())
+
+    replayed, free = group.routed_experts(b, True), group.routed_experts(b, False)
+    lp = group.compute_logprob(b)
+    # the control: 30% of the known tokens get another first expert in every layer
+    g = torch.Generator().manual_seed(3)
+    changed = routes.clone()
+    pick = known & (torch.rand(known.shape, generator=g) < 0.3)
+    experts = 8
+    first = changed[..., 0]
+    other = (first + 1) % experts
+    other = torch.where(other == changed[..., 1], (first + 2) % experts, other)
+    changed[..., 0] = torch.where(pick[..., None], other, first)
+    c = b.select(range(len(b)))
+    c["routed_experts"] = changed.to(torch.int16)
+    replayed_changed = group.routed_experts(c, True)
+    lp_changed = group.compute_logprob(c)
+    mask = b["response_mask"]
+    return {"rows": len(b), "tokens": int(inside.sum()), "known": int(known.sum()),
+            "unknown_are_last_tokens": bool(((inside & ~known) == last).all()),
+            "layers": int(routes.shape[2]), "k": int(routes.shape[3]),
+            "replayed_differ": differ(replayed, routes), "free_differ": differ(free, routes),
+            "changed_tokens": int(pick.sum()), "replayed_changed_differ": differ(replayed_changed, changed),
+            "replayed_changed_vs_original": differ(replayed_changed, routes),
+            "gap_replay": logprob_gap(b["rollout_logprob"], lp, mask, step=0),
+            "gap_changed": logprob_gap(b["rollout_logprob"], lp_changed, mask, step=0)}
+
+
 def die(out_path: str) -> None:
     """Build a TP=2 rollout on 2 workers, record their shm segments, SIGKILL the whole world."""
     from hpcrl.controller import WorkerGroup
@@ -515,6 +561,20 @@ def main() -> None:
     res["tiny_lora_tp1"] = s["result"]
     s["group"].close_rollout()
     timed("tiny lora 1x1 -> rollout tp1", t0)
+
+    # 5. the tiny Qwen3-MoE: Megatron TP=2 with SP (DP=2) -> rollout TP=1, then TP=1 (DP=4) -> rollout
+    # TP=2 with routing replay: vLLM's experts for every token, replayed by the actor's routers
+    t0 = time.time()
+    s = sync_scenario(MOE, 2, 1, 1, 1e-3, 8, 0.25, "actor.parallel.sequence_parallel=true")
+    res["moe_tp1"] = s["result"]
+    s["group"].close_rollout()
+    timed("tiny moe 2x1 sp -> rollout tp1", t0)
+    t0 = time.time()
+    s = sync_scenario(MOE, 1, 1, 2, 1e-3, 8, 0.25, "rollout.routing_replay=true")
+    res["moe_tp2"] = s["result"]
+    res["routing_replay"] = routing_replay_checks(s["group"], prompt_ids(MOE, 6))
+    s["group"].close_rollout()
+    timed("tiny moe 1x1 -> rollout tp2, routing replay", t0)
 
     res["timings"]["total"] = round(time.time() - t_all, 1)
     Path(out_path).write_text(json.dumps(res, indent=1, default=str))

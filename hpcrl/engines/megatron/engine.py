@@ -27,7 +27,7 @@ import torch
 from hpcrl.engines.megatron.forward import ForwardMixin, thd_params
 from hpcrl.engines.megatron.lora import LoraSettings, LoraState, apply_lora
 from hpcrl.engines.megatron.model import ModelArch, build_gpt_model, read_arch
-from hpcrl.engines.megatron.moe import MoeSettings
+from hpcrl.engines.megatron.moe import MoeSettings, own_router_replays
 from hpcrl.engines.megatron.optimizer import OptimizerMixin, OptimSettings, lr_factor, square_sum
 from hpcrl.engines.megatron.parallel import init_model_parallel
 from hpcrl.engines.megatron.train_step import TrainStepMixin
@@ -133,6 +133,10 @@ class MegatronEngine(WeightsMixin, ForwardMixin, TrainStepMixin, OptimizerMixin)
         self.model = build_gpt_model(self.arch, self.options.dtype, use_te, self.options.attention,
                                      self.options.sequence_parallel, self.options.recompute, self.options.moe)
         self.spec = self.model.hpcrl_spec
+        own_router_replays(self.model)
+        # routing replay: per-sequence experts [len, layers, k] the next forwards take (routing_replay.py)
+        self.routes: list[torch.Tensor] | None = None
+        self.record_routing = False
         if value_head and self.model.post_process:
             self.model.output_layer = ValueHead(self.arch.hidden_size, self.options.dtype,
                                                 self.options.sequence_parallel).to(next(self.model.parameters()).device)

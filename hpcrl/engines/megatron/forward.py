@@ -15,13 +15,14 @@ sequence over the TP ranks between the tensor-parallel layers).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 
 from hpcrl.engines.megatron.attention import segments_of
 from hpcrl.engines.megatron.context_parallel import gather_row_values, local_part, padded_length
-from hpcrl.engines.megatron.moe import set_micro_batch_loss_scale
+from hpcrl.engines.megatron.moe import routers, set_micro_batch_loss_scale
 from hpcrl.engines.megatron.packing import (
     PackedMicroBatch,
     Unit,
@@ -33,6 +34,7 @@ from hpcrl.engines.megatron.packing import (
     unit_length,
     unpack_token_values,
 )
+from hpcrl.engines.megatron.routing_replay import ReplayRouting, layout_routes, local_places, unlayout_routes
 
 
 def thd_params(mb: PackedMicroBatch, device: Any, cp: int = 1):
@@ -192,9 +194,14 @@ class ForwardMixin:
         device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
 
         te = self.spec == "te"
+        replay = self._replay_routing()
 
         def forward_step(it: Iterator[PackedMicroBatch], model: torch.nn.Module):
             mb = next(it)
+            if replay is not None and self.routes is not None:  # the recorded experts at this rank's tokens
+                places = layout_routes(getattr(mb, "full", None) or mb, self.routes)
+                sp = self.tp_size if self.model.config.sequence_parallel else 1
+                replay.set_micro_batch(local_places(places, mb, self.tp_rank, sp))
             # read by the output layer of this micro-batch's forward and by its loss function
             # (where the output layer runs at every position, e.g. under SP, the callers mask instead)
             self._positions = positions(mb) if positions is not None and self._selects_positions else None
@@ -224,9 +231,44 @@ class ForwardMixin:
 
         b, t = mbs[0].tokens.shape
         # seq_length: the whole row (megatron divides it by CP, and by TP with SP, for the stages' shapes)
-        return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(mbs), model=self.model,
-            num_microbatches=len(mbs), seq_length=t * self.cp_size, micro_batch_size=b, forward_only=forward_only)
+        with replay if replay is not None else nullcontext():
+            out = get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter(mbs), model=self.model,
+                num_microbatches=len(mbs), seq_length=t * self.cp_size, micro_batch_size=b, forward_only=forward_only)
+        self.last_replay, self.last_micro_batches = replay, mbs
+        return out
+
+    @torch.no_grad()
+    def routed_experts(self, seqs: list[torch.Tensor], routes: list[torch.Tensor] | None = None
+                       ) -> list[torch.Tensor]:
+        """The experts the routers used for every token of each sequence ([len, layers, k], sorted),
+        routing freely or replaying `routes` (checks; TP = PP = CP = 1)."""
+        assert self.tp_size == self.pp_size == self.cp_size == 1, "routed_experts reads one rank's whole model"
+        self.routes, self.record_routing = routes, True
+        try:
+            self.compute_logprob(seqs)
+        finally:
+            self.routes, self.record_routing = None, False
+        out: dict[int, torch.Tensor] = {}
+        lengths = [int(s.numel()) for s in seqs]
+        for used, mb in zip(self.last_replay.recorded, self.last_micro_batches, strict=True):
+            b, t = mb.tokens.shape
+            places = torch.stack(used, dim=1).view(t, b, len(used), -1).transpose(0, 1)
+            out.update(unlayout_routes(places, mb, lengths))
+        return [out[i] for i in range(len(seqs))]
+
+    def _replay_routing(self) -> ReplayRouting | None:
+        """The routers' replay of `self.routes` (per-sequence recorded experts), when set."""
+        if getattr(self, "routes", None) is None and not getattr(self, "record_routing", False):
+            return None
+        if not self.model.config.moe_enable_routing_replay:
+            raise RuntimeError("routes given to an engine built without routing replay (EngineOptions.moe)")
+        from megatron.core import parallel_state as ps
+
+        from hpcrl.engines.megatron.convert import layer_range
+
+        return ReplayRouting(routers(self.model), layer_range(self.arch, ps.get_pipeline_model_parallel_rank(),
+                                                              self.pp_size).start)
 
     def token_logprobs(self, logits: torch.Tensor, mb: PackedMicroBatch, temperature: float = 1.0) -> torch.Tensor:
         """log p(label) per position from vocab-parallel logits [B, T, V/TP] -> [B, T], under the

@@ -21,13 +21,21 @@ Map:
 - `adapters_to_hf` / `adapters_from_hf`: megatron shards <-> PEFT-named full tensors; megatron
   fuses q/k/v and gate/up, so their PEFT adapters share one lora_A (`write_peft_folder` writes
   them that way; a PEFT folder whose q/k/v A's differ is refused).
+- Mixture-of-experts models (Qwen3-MoE): adapters on the attention only. Every layer's MLP there
+  is a router plus experts (`mlp.router`, `mlp.experts.local_experts.<i>.linear_fc1|2`), which
+  PEFT's per-layer names cannot hold; all-linear means linear_qkv and linear_proj, an MLP target
+  named explicitly is refused (`resolve_targets(..., moe=True)`, `model_targets`), and only
+  `decoder.layers.<i>.self_attention|mlp.<layer>` itself is ever adapted (never an expert, never the
+  router). Qwen3's q/k norms (`self_attention.q_layernorm|k_layernorm`) are norms: never targets.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
+import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +49,8 @@ from hpcrl.engines.megatron.model import ModelArch
 COLUMN = ("linear_qkv", "linear_fc1")
 ROW = ("linear_proj", "linear_fc2")
 TARGETS = COLUMN + ROW
+ATTENTION = ("linear_qkv", "linear_proj")
+MLP = ("linear_fc1", "linear_fc2")
 # HF module names -> the megatron layer holding them; fused layers need all their parts
 HF_ALIASES = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",
               "gate_proj": "linear_fc1", "up_proj": "linear_fc1", "down_proj": "linear_fc2"}
@@ -48,6 +58,13 @@ HF_PARTS = {"linear_qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")), "linear
             "linear_fc1": ("mlp", ("gate_proj", "up_proj")), "linear_fc2": ("mlp", ("down_proj",))}
 PEFT_PREFIX = "base_model.model."
 ADAPTER_FILE = "adapter_model.safetensors"
+# the only modules adapted: a transformer layer's own attention / dense-MLP linear layers (so never
+# an MoE layer's experts, `mlp.experts.local_experts.<i>.linear_fc1`, nor its router)
+_ADAPTABLE = re.compile(r"decoder\.layers\.\d+\.(?:self_attention\.(?:linear_qkv|linear_proj)"
+                        r"|mlp\.(?:linear_fc1|linear_fc2))")
+_MOE_REFUSAL = ("{listed}: this is a mixture-of-experts model; its MLPs are a router and experts, and LoRA on "
+                "experts is not supported (attention only). Use all-linear (on an MoE model: the attention "
+                "layers) or linear_qkv / linear_proj (HF: q_proj, k_proj, v_proj, o_proj)")
 
 
 @dataclass(frozen=True)
@@ -63,19 +80,40 @@ class LoraSettings:
         return self.alpha / self.rank
 
 
-def resolve_targets(names: list[str] | tuple[str, ...]) -> tuple[str, ...]:
+class Targets(tuple):
+    """`resolve_targets`' megatron layer names (a tuple), remembering whether all-linear alone put the
+    MLP layers there (`all_linear`): an MoE model then takes the attention layers only, while MLP
+    layers named explicitly are refused there (see `model_targets`)."""
+
+    all_linear: bool
+
+    def __new__(cls, names: Any = (), all_linear: bool = False) -> Targets:
+        self = super().__new__(cls, names)
+        self.all_linear = all_linear
+        return self
+
+    def __reduce__(self) -> Any:
+        return (Targets, (tuple(self), self.all_linear))
+
+
+def resolve_targets(names: list[str] | tuple[str, ...], moe: bool = False) -> Targets:
     """Megatron layer names from a target list of megatron or HF names (or all-linear).
-    ValueError names an unknown entry, or a fused layer listed by only some of its HF parts."""
+    ValueError names an unknown entry, or a fused layer listed by only some of its HF parts; with
+    moe (the model is a mixture of experts): an MLP layer named explicitly, and all-linear gives
+    the attention layers alone."""
     out: list[str] = []
     hf_seen: set[str] = set()
+    explicit_mlp: list[str] = []
     for n in names:
         if n == "all-linear":
-            out.extend(TARGETS)
+            out.extend(ATTENTION if moe else TARGETS)
         elif n in TARGETS:
             out.append(n)
+            explicit_mlp += [n] if n in MLP else []
         elif n in HF_ALIASES:
             hf_seen.add(n)
             out.append(HF_ALIASES[n])
+            explicit_mlp += [n] if HF_ALIASES[n] in MLP else []
         else:
             raise ValueError(f"actor.lora.target_modules: unknown module {n!r}; use megatron names {list(TARGETS)}, "
                              f"HF names {sorted(HF_ALIASES)}, or all-linear")
@@ -87,12 +125,28 @@ def resolve_targets(names: list[str] | tuple[str, ...]) -> tuple[str, ...]:
                              f"list all of them, or {layer}")
     if not out:
         raise ValueError("actor.lora.target_modules is empty")
-    return tuple(t for t in TARGETS if t in out)
+    if moe and explicit_mlp:
+        raise ValueError("actor.lora.target_modules: " + _MOE_REFUSAL.format(listed=f"{explicit_mlp} are MLP layers"))
+    return Targets((t for t in TARGETS if t in out), all_linear=not explicit_mlp)
+
+
+def model_targets(targets: tuple[str, ...], arch: ModelArch) -> tuple[str, ...]:
+    """The layers `targets` adapt on the model of `arch`: all of them on a dense model; on an MoE
+    model the attention layers, with the MLP ones dropped when they came from all-linear (a `Targets`
+    that says so, or the full default `TARGETS`) and refused (ValueError) when named explicitly."""
+    mlp = [t for t in targets if t in MLP]
+    if not arch.is_moe or not mlp:
+        return tuple(targets)
+    all_linear = getattr(targets, "all_linear", tuple(targets) == TARGETS)
+    if not all_linear:
+        raise ValueError("actor.lora.target_modules: " + _MOE_REFUSAL.format(listed=f"{mlp} are MLP layers"))
+    return tuple(t for t in targets if t in ATTENTION)
 
 
 def _layer_kind(name: str) -> str | None:
-    leaf = name.rsplit(".", 1)[-1]
-    return leaf if leaf in TARGETS else None
+    """linear_qkv | linear_proj | linear_fc1 | linear_fc2 for a transformer layer's own linear layer
+    (`decoder.layers.<i>.self_attention|mlp.<kind>`), None for anything else (experts, router, norms)."""
+    return name.rsplit(".", 1)[-1] if _ADAPTABLE.fullmatch(name) else None
 
 
 def _init_a(settings: LoraSettings, global_layer: int, kind: str, shape: tuple[int, int]) -> torch.Tensor:
@@ -152,12 +206,15 @@ class LoraState:
 
 def apply_lora(model: torch.nn.Module, settings: LoraSettings, arch: ModelArch, pp_rank: int, pp_size: int,
                tp_rank: int, tp_size: int) -> LoraState:
-    """Freeze `model` and adapt its targeted layers in place (see the module docstring)."""
+    """Freeze `model` and adapt its targeted layers in place (see the module docstring). On an MoE
+    model the targets are `model_targets`' (attention only); the returned state's settings hold the
+    layers actually adapted. ValueError when a targeted layer is missing from a transformer layer."""
     from megatron.core.tensor_parallel.mappings import (
         copy_to_tensor_model_parallel_region,
         reduce_from_tensor_model_parallel_region,
     )
 
+    settings = dataclasses.replace(settings, targets=model_targets(settings.targets, arch))
     for p in model.parameters():
         p.requires_grad_(False)
     first = layer_range(arch, pp_rank, pp_size).start
@@ -179,6 +236,13 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings, arch: ModelArch, 
         module.lora_kind = kind
         module.lora_calls = 0
         layers[name] = module
+    local_layers = len(layer_range(arch, pp_rank, pp_size))
+    found = {(int(n.split(".")[2]), n.rsplit(".", 1)[-1]) for n in layers}
+    missing = [(i, k) for i in range(local_layers) for k in settings.targets if (i, k) not in found]
+    if missing:
+        raise ValueError(f"LoRA: the model has no {missing[0][1]} in transformer layer {first + missing[0][0]} "
+                         f"(decoder.layers.{missing[0][0]}.{_block(missing[0][1])}.{missing[0][1]}); "
+                         f"actor.lora.target_modules resolves to {list(settings.targets)}")
     state = LoraState(settings, layers, tp_rank, tp_size)
     layer_ids = {name: i for i, name in enumerate(layers)}
 
@@ -256,7 +320,12 @@ def adapters_to_hf(arch: ModelArch, tp_shards: list[dict[str, torch.Tensor]], pp
     s0 = tp_shards[0]
     for key in sorted(k for k in s0 if k.endswith(".lora_A")):
         base = key[:-len(".lora_A")]
-        local, kind = int(base.split(".")[2]), base.rsplit(".", 1)[-1]
+        kind = _layer_kind(base)
+        if kind is None or (arch.is_moe and kind in MLP):
+            # PEFT's names hold one adapter per layer and module: an expert's would overwrite another's
+            raise ValueError(f"{key}: no PEFT name for an adapter there (hpcrl adapts a layer's own "
+                             "linear_qkv / linear_proj / linear_fc1 / linear_fc2; on an MoE model the attention only)")
+        local = int(base.split(".")[2])
         block, parts = HF_PARTS[kind]
         layer = first + local
         a_parts = [s[f"{base}.lora_A"] for s in tp_shards]
@@ -279,7 +348,19 @@ def adapters_to_hf(arch: ModelArch, tp_shards: list[dict[str, torch.Tensor]], pp
 def adapters_from_hf(arch: ModelArch, get: Callable[[str], torch.Tensor], targets: tuple[str, ...], tp_rank: int,
                      tp_size: int, pp_rank: int, pp_size: int) -> dict[str, torch.Tensor]:
     """This rank's adapter tensors (megatron names) from PEFT-named full tensors. ValueError when
-    the parts of a fused layer have different lora_A (megatron's fused layer takes one)."""
+    the parts of a fused layer have different lora_A (megatron's fused layer takes one), and on an
+    MoE model when MLP layers are targeted or (a `read_peft_folder` getter) the folder adapts any
+    module of an MLP (its experts or router: hpcrl would drop those adapters)."""
+    if arch.is_moe:
+        mlp = [t for t in targets if t in MLP]
+        if mlp:
+            raise ValueError("actor.lora.target_modules: " + _MOE_REFUSAL.format(listed=f"{mlp} are MLP layers"))
+        foreign = sorted(n for n in getattr(get, "names", ()) if ".lora_" in n and ".self_attn." not in n)
+        if foreign:
+            raise ValueError(f"{getattr(get, 'path', 'the PEFT folder')}: adapters outside the attention "
+                             f"({foreign[0]}{f' and {len(foreign) - 1} more' if len(foreign) > 1 else ''}); "
+                             "on a mixture-of-experts model hpcrl adapts the attention only "
+                             "(LoRA on experts is not supported)")
     out: dict[str, torch.Tensor] = {}
     for local, layer in enumerate(layer_range(arch, pp_rank, pp_size)):
         for kind in targets:
@@ -303,9 +384,14 @@ def adapters_from_hf(arch: ModelArch, get: Callable[[str], torch.Tensor], target
     return out
 
 
-def peft_config(settings: LoraSettings, base_model: str) -> dict[str, Any]:
-    """adapter_config.json of a PEFT LoRA folder holding these adapters."""
-    hf_targets = sorted(p for t in settings.targets for p in HF_PARTS[t][1])
+_PEFT_PART = re.compile(re.escape(PEFT_PREFIX) + r"model\.layers\.\d+\.(?:self_attn|mlp)\.(\w+)\.lora_[AB]\.weight")
+
+
+def peft_config(settings: LoraSettings, base_model: str, hf_targets: list[str] | None = None) -> dict[str, Any]:
+    """adapter_config.json of a PEFT LoRA folder holding these adapters (target_modules: hf_targets,
+    or the HF parts of settings.targets)."""
+    if hf_targets is None:
+        hf_targets = sorted(p for t in settings.targets for p in HF_PARTS[t][1])
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base_model),
             "r": settings.rank, "lora_alpha": settings.alpha, "lora_dropout": settings.dropout,
             "target_modules": hf_targets, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
@@ -314,13 +400,16 @@ def peft_config(settings: LoraSettings, base_model: str) -> dict[str, Any]:
 
 def write_peft_folder(out: str | Path, tensors: dict[str, torch.Tensor], settings: LoraSettings,
                       base_model: str) -> None:
-    """adapter_model.safetensors + adapter_config.json, as `PeftModel.from_pretrained` reads them."""
+    """adapter_model.safetensors + adapter_config.json, as `PeftModel.from_pretrained` reads them.
+    target_modules lists the modules `tensors` adapt (on an MoE model: the attention's), so PEFT
+    puts no fresh adapter on a module these tensors leave out."""
     from safetensors.torch import save_file
 
     out = Path(out)
+    parts = sorted({m.group(1) for k in tensors if (m := _PEFT_PART.fullmatch(k))})
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / ADAPTER_FILE), metadata={"format": "pt"})
-    (out / "adapter_config.json").write_text(json.dumps(peft_config(settings, base_model), indent=1))
+    (out / "adapter_config.json").write_text(json.dumps(peft_config(settings, base_model, parts or None), indent=1))
 
 
 def read_peft_folder(path: str | Path) -> tuple[dict[str, Any], Callable[[str], torch.Tensor]]:
@@ -343,4 +432,6 @@ def read_peft_folder(path: str | Path) -> tuple[dict[str, Any], Callable[[str], 
                 return handle.get_tensor(n)
         raise KeyError(f"{weights}: no tensor {name!r} (is every target module of this run adapted there?)")
 
+    get.names = frozenset(names)  # type: ignore[attr-defined]  (adapters_from_hf checks them on MoE models)
+    get.path = str(path)  # type: ignore[attr-defined]
     return cfg, get

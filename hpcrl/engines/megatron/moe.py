@@ -41,6 +41,8 @@ class MoeSettings:
 
     aux_loss_coeff: float = 0.0  # switch-style load-balancing loss (megatron's moe_aux_loss_coeff)
     z_loss_coeff: float = 0.0  # router z-loss (megatron's moe_z_loss_coeff)
+    # the routers take given experts when the engine's `routes` are set (hpcrl.engines.megatron.routing_replay)
+    routing_replay: bool = False
 
 
 def moe_config_kwargs(arch: ModelArch, moe: MoeSettings | None, tp: int, ep: int) -> dict[str, Any]:
@@ -66,6 +68,7 @@ def moe_config_kwargs(arch: ModelArch, moe: MoeSettings | None, tp: int, ep: int
         "moe_router_fusion": False,
         "expert_model_parallel_size": ep,
         "expert_tensor_parallel_size": tp,
+        "moe_enable_routing_replay": moe.routing_replay,
     }
 
 
@@ -90,6 +93,17 @@ def routers(model: torch.nn.Module) -> list[torch.nn.Module]:
     from megatron.core.transformer.moe.router import TopKRouter
 
     return [m for m in model.modules() if isinstance(m, TopKRouter)]
+
+
+def own_router_replays(model: torch.nn.Module) -> None:
+    """megatron keeps every router's replay state in a process-wide list as well (for its global
+    setters, which hpcrl does not use: a worker can hold several models); drop this model's from it,
+    so that a closed engine's routers are not kept alive."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    mine = {id(r.router_replay) for r in routers(model) if r.router_replay is not None}
+    RouterReplay.global_router_replay_instances[:] = [
+        r for r in RouterReplay.global_router_replay_instances if id(r) not in mine]
 
 
 class RoutingStats:

@@ -116,4 +116,15 @@ class TrainStepMixin:
         if self.pp_size > 1:  # each stage its layers' sums
             dist.all_reduce(vec, group=ps.get_pipeline_model_parallel_group())
         layers = float(vec[0])
-        return {k: float(v) / layers for k, v in zip(keys[1:], vec[1:], strict=True)} if layers else {}
+        out = {k: float(v) / layers for k, v in zip(keys[1:], vec[1:], strict=True)} if layers else {}
+        replay = getattr(self, "last_replay", None)
+        if replay is not None and replay.places:
+            # routing replay: the share of routed places (token x MoE layer) that took the rollout's experts
+            # (the rest: each sequence's last token, which vLLM never routes, and row padding)
+            counts = torch.tensor([replay.replayed, replay.places], dtype=torch.float64)
+            for g in groups:
+                dist.all_reduce(counts, group=g)
+            if self.pp_size > 1:
+                dist.all_reduce(counts, group=ps.get_pipeline_model_parallel_group())
+            out["moe/replayed_share"] = float(counts[0] / counts[1])
+        return out

@@ -66,6 +66,9 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    # routing replay (MoE): the experts of every position of prompt + completion [len, layers, k] int16,
+    # -1 where none was computed (the last token); None unless the engine records routing
+    routed_experts: torch.Tensor | None = None
 
 
 SEED_SPACE = 1 << 62
@@ -104,7 +107,8 @@ class RolloutEngine:
 
     def __init__(self, model_path: str, tensor_parallel: int = 1, dtype: torch.dtype = torch.float32,
                  seed: int = 0, cpu_kv_cache_gib: float = 1.0, gpu_memory_utilization: float = 0.5,
-                 max_model_len: int | None = None, engine_kwargs: dict[str, Any] | None = None):
+                 max_model_len: int | None = None, engine_kwargs: dict[str, Any] | None = None,
+                 routing_replay: bool = False):
         import torch.distributed as dist
 
         if not dist.is_initialized():
@@ -145,6 +149,11 @@ class RolloutEngine:
         # vLLM has no sleep mode on CPU, where hpcrl.engines.vllm.cpu_sleep does its part.
         if torch.cuda.is_available():
             kwargs["enable_sleep_mode"] = True
+        if routing_replay:
+            # every request computes its whole prompt, so every prompt token's experts are recorded: a
+            # block served by the prefix cache may come from another prompt with the same opening
+            # tokens (the chat template's), whose routes are not this request's to look up
+            kwargs["enable_prefix_caching"] = False
         kwargs.update(engine_kwargs or {})
         self.sleep_mode = bool(kwargs.get("enable_sleep_mode", False))
         self.cpu_sleep = not torch.cuda.is_available()
@@ -157,6 +166,15 @@ class RolloutEngine:
         self.llm = LLM(**kwargs)
         hf = self.llm.llm_engine.vllm_config.model_config.hf_config
         self.moe = bool(getattr(hf, "num_experts", 0) or getattr(hf, "num_local_experts", 0))
+        # routing replay: every generated token's experts, recorded by hooks on the routers
+        # (hpcrl.engines.vllm.routing; vLLM's own capturer needs its V2 model runner, GPU only)
+        self.routing_replay = routing_replay
+        if routing_replay:
+            if not self.moe:
+                raise ValueError(f"{model_path}: routing replay needs a mixture-of-experts model")
+            from hpcrl.engines.vllm.routing import install
+
+            self.llm.collective_rpc(install, args=(int(hf.num_experts_per_tok),))
         cache = self.llm.llm_engine.vllm_config.cache_config
         self.block_size = int(cache.block_size)
         self.prefix_caching = bool(cache.enable_prefix_caching)
@@ -181,8 +199,10 @@ class RolloutEngine:
             # the prompt's last partial block. Without this, the n requests of a prompt, scheduled
             # together, each computed the whole prompt (nothing is cached before a step ends). The
             # demo (4 prompts x 4 samples of ~66 tokens, one engine alone): 18.5 -> 16.3 s.
-            self.llm.generate([{"prompt_token_ids": list(map(int, p))} for p in prompts],
-                              SamplingParams(n=1, temperature=0.0, max_tokens=1), use_tqdm=False)
+            warm = self.llm.generate([{"prompt_token_ids": list(map(int, p))} for p in prompts],
+                                     SamplingParams(n=1, temperature=0.0, max_tokens=1), use_tqdm=False)
+        else:
+            warm = []
         requests, params = [], []
         for i, p in enumerate(prompts):
             for j in range(n):
@@ -190,8 +210,24 @@ class RolloutEngine:
                 params.append(self._params(sampling, sampling.max_new_tokens,
                                            None if sampling.seed is None
                                            else sample_seed(sampling.seed, first_index + i, j, n)))
-        completions = self._completions(self.llm.generate(requests, params, use_tqdm=False))
+        outs = self.llm.generate(requests, params, use_tqdm=False)
+        completions = self._completions(outs)
+        if self.routing_replay:
+            self._attach_routes(outs, completions, warm, [len(p) for p in prompts], n)
         return [completions[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+    def _attach_routes(self, outs: Sequence[Any], completions: list[Completion], warm: Sequence[Any],
+                       prompt_lengths: list[int], n: int) -> None:
+        """Each completion's recorded experts (prompt and completion positions); a prompt's positions
+        that the prefix cache served come from the other requests of that prompt (the warm-up's too)."""
+        from hpcrl.engines.vllm.routing import take
+
+        asked = [(o.request_id, i, prompt_lengths[i], prompt_lengths[i]) for i, o in enumerate(warm)]
+        asked += [(o.request_id, j // n, prompt_lengths[j // n] + len(c.token_ids), prompt_lengths[j // n])
+                  for j, (o, c) in enumerate(zip(outs, completions, strict=True))]
+        routes = self.llm.collective_rpc(take, args=(asked,))[0]
+        for o, c in zip(outs, completions, strict=True):
+            c.routed_experts = routes[o.request_id]
 
     def generate_each(self, requests: Sequence[Sequence[int]], sampling: SamplingSettings,
                       seeds: Sequence[int | None], max_new_tokens: Sequence[int]) -> list[Completion]:
