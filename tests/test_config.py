@@ -480,13 +480,15 @@ def test_moe_layouts_print_ep_only_when_used(tmp_path) -> None:
 
 def test_moe_model_with_the_moe_keys_validates(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     """An MoE model takes the routers' losses in every trained role, TP with sequence parallel, and
-    TP=1; a dense Qwen3 takes the defaults. (Expert parallel > 1: refused for runs, MOE_MODEL_CASES.)"""
+    TP=1, expert parallel dividing the experts and DP x CP; a dense Qwen3 takes the defaults."""
     moe = hf_folder(tmp_path, "moe", QWEN3_MOE)
     for overrides in (
             ["actor.parallel.sequence_parallel=true", "actor.moe.aux_loss_coeff=0.001",
              "actor.moe.z_loss_coeff=0.001"],
             ["actor.parallel.tensor_parallel=1", "actor.ppo_mini_batch_size=8"],
             ["actor.parallel.tensor_parallel=1", "actor.parallel.context_parallel=2"],
+            ["actor.parallel.tensor_parallel=1", "actor.parallel.expert_parallel=4"],
+            ["actor.parallel.sequence_parallel=true", "actor.parallel.expert_parallel=2"],
             ["algorithm.adv_estimator=gae", "actor.parallel.sequence_parallel=true",
              "critic.parallel.tensor_parallel=2", "critic.parallel.sequence_parallel=true",
              "critic.moe.aux_loss_coeff=0.01"]):
@@ -513,9 +515,6 @@ MOE_MODEL_CASES = [
      "shared experts (shared_expert_intermediate_size=256) are not supported yet"),
     # megatron's MoE layer trains at TP > 1 with sequence parallel only
     ({}, [], "actor.parallel.sequence_parallel=false", "trains at tensor parallel 2 with sequence parallel only"),
-    # expert parallel: the engine has it, the weight sync and checkpoints not yet
-    ({}, ["actor.parallel.tensor_parallel=1", "actor.parallel.expert_parallel=2"], "actor.parallel.expert_parallel=2",
-     "do not carry experts split over EP ranks yet"),
 ]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -469,14 +470,19 @@ def test_long_sequence_config_runs_two_steps(tmp_path: Path) -> None:
 
 
 def test_moe_config_runs_two_steps_and_resumes(tmp_path: Path) -> None:
-    """configs/grpo_tiny_moe.yaml end to end (tiny Qwen3-MoE, TP=2 with sequence parallel, the routers'
-    load-balancing loss, routing replay), with vLLM's fused-MoE engines at rollout TP 2: 2 steps, the
-    rollout-vs-actor gap of fp32 after each weight sync (0.16 nats before vLLM's CPU MoE weights were
-    packed again after a reload: hpcrl.engines.vllm.cpu_moe), the routing metrics; then a third step
-    resumed from step 2's checkpoint."""
+    """configs/grpo_tiny_moe.yaml end to end (tiny Qwen3-MoE, routing replay) at expert parallel 2
+    (TP=1, DP=4: each rank 4 of the 8 experts), with vLLM's fused-MoE engines at rollout TP 2: 2 steps,
+    the rollout-vs-actor gap of fp32 after each weight sync (0.16 nats before vLLM's CPU MoE weights
+    were packed again after a reload: hpcrl.engines.vllm.cpu_moe), the routing metrics. Then step 3
+    resumed at EP=2 equals an uninterrupted run bit for bit, and resumed at the config's TP=2 with
+    sequence parallel (EP=1: the experts' files of both EP ranks converted) within fp32 rounding.
+    (The load-balancing loss: tests/programs/moe_checks.py.)"""
     d = tmp_path / "run"
-    args = [HPCRL, "run", "configs/grpo_tiny_moe.yaml", f"trainer.run_dir={d}", "rollout.tensor_parallel=2"]
-    r = run([*args, "trainer.total_steps=2"], timeout=900)
+    # no load-balancing loss here: megatron's is a micro-batch's, so the TP=2 layout below (DP=2: other
+    # micro-batches) would give another term (tests/programs/moe_checks.py checks it at one DP size)
+    ep2 = [HPCRL, "run", "configs/grpo_tiny_moe.yaml", "rollout.tensor_parallel=2", "actor.parallel.tensor_parallel=1",
+           "actor.parallel.sequence_parallel=false", "actor.parallel.expert_parallel=2", "actor.moe.aux_loss_coeff=0"]
+    r = run([*ep2, f"trainer.run_dir={d}", "trainer.total_steps=2"], timeout=900)
     assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}"
     steps = read_jsonl(d / "metrics.jsonl")
     assert [m["step"] for m in steps] == [1, 2]
@@ -488,21 +494,22 @@ def test_moe_config_runs_two_steps_and_resumes(tmp_path: Path) -> None:
         # routing replay (the config's rollout.routing_replay): every token but each sequence's last
         # (which vLLM never routes) and the rows' padding takes vLLM's experts in the update
         assert 0.9 < m["actor/moe/replayed_share"] < 1.0, m
-    log = (d / "logs" / "controller.log").read_text()
-    assert "actor TP=2 PP=1 DP=2 SP" in log, log[-3000:]
-    r = run([*args, "trainer.total_steps=3"], timeout=900)
+    assert "actor TP=1 PP=1 EP=2 DP=4, MoE 8 experts" in (d / "logs" / "controller.log").read_text()
+    ckpt = d / "checkpoints" / "step_00000002" / "actor"
+    assert sorted(p.name for p in ckpt.glob("*.safetensors")) == ["pp0_tp0_ep0.safetensors", "pp0_tp0_ep1.safetensors"]
+    other = tmp_path / "other-layout"
+    shutil.copytree(d, other)
+    r = run([*ep2, f"trainer.run_dir={d}", "trainer.total_steps=3"], timeout=900)
     assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}"
     assert [m["step"] for m in read_jsonl(d / "metrics.jsonl")] == [1, 2, 3]
     assert "resumed from" in (d / "logs" / "controller.log").read_text()
-    # bit-exact: an uninterrupted 3-step run gives the same step-3 metrics and actor checkpoint
     ref = tmp_path / "uninterrupted"
-    r = run([HPCRL, "run", "configs/grpo_tiny_moe.yaml", f"trainer.run_dir={ref}", "rollout.tensor_parallel=2",
-             "trainer.total_steps=3"], timeout=900)
+    r = run([*ep2, f"trainer.run_dir={ref}", "trainer.total_steps=3"], timeout=900)
     assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}"
     resumed, straight = read_jsonl(d / "metrics.jsonl")[-1], read_jsonl(ref / "metrics.jsonl")[-1]
     timing = ("time/", "throughput/", "memory/", "trace/")  # (tests/test_resume.py's TIMING)
-    differ = [k for k in set(resumed) | set(straight) if not k.startswith(timing) and resumed.get(k) != straight.get(k)]
-    assert differ == [], {k: (resumed.get(k), straight.get(k)) for k in differ}
+    keys = [k for k in set(resumed) | set(straight) if not k.startswith(timing)]
+    assert [k for k in keys if resumed.get(k) != straight.get(k)] == []
 
     def actor_digests(run_dir: Path) -> dict[str, str]:
         files = json.loads((run_dir / "checkpoints" / "step_00000003" / "manifest.json").read_text())["files"]
@@ -510,3 +517,12 @@ def test_moe_config_runs_two_steps_and_resumes(tmp_path: Path) -> None:
         return {path: rec["sha256"] for path, rec in items if path.startswith("actor/")}
 
     assert actor_digests(d) and actor_digests(d) == actor_digests(ref)
+    # the step-2 checkpoint at the config's layout (TP=2 SP, EP=1): measured 3e-8 relative on every metric
+    r = run([HPCRL, "run", "configs/grpo_tiny_moe.yaml", "rollout.tensor_parallel=2", f"trainer.run_dir={other}",
+             "trainer.total_steps=3", "actor.moe.aux_loss_coeff=0"], timeout=900)
+    assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}"
+    assert "actor TP=2 PP=1 DP=2 SP, MoE 8 experts" in (other / "logs" / "controller.log").read_text()
+    moved = read_jsonl(other / "metrics.jsonl")[-1]
+    for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/moe/load_balancing_loss"):
+        assert moved[k] == pytest.approx(straight[k], rel=1e-5, abs=1e-7), (k, moved[k], straight[k])
+    assert moved["rollout_actor_logprob_gap_max"] < 1e-4, moved

@@ -44,7 +44,7 @@ import torch
 
 from hpcrl.checkpoint.files import FileRecord, file_record, fsync_dir, fsync_file, is_no_space, write_durable
 from hpcrl.checkpoint.store import CheckpointError, DiskFullError, no_space_error
-from hpcrl.engines.megatron.convert import hf_to_megatron, layer_range, megatron_to_hf_partial
+from hpcrl.engines.megatron.convert import expert_of, global_name, hf_to_megatron, layer_range, megatron_to_hf_partial
 from hpcrl.engines.megatron.model import ModelArch
 
 log = logging.getLogger("hpcrl.checkpoint")
@@ -63,8 +63,15 @@ FILE_SLACK = 4096
 HEADER_PER_TENSOR = 128
 
 
-def shard_stem(pp_rank: int, tp_rank: int) -> str:
-    return f"pp{pp_rank}_tp{tp_rank}"
+def shard_stem(pp_rank: int, tp_rank: int, ep_rank: int | None = None) -> str:
+    """A shard's file name; with expert parallel each EP rank writes its own (its experts under their
+    global index, and a copy of the rest of the stage)."""
+    return f"pp{pp_rank}_tp{tp_rank}" + (f"_ep{ep_rank}" if ep_rank is not None else "")
+
+
+def _engine_stem(engine: Any) -> str:
+    ep = getattr(engine, "ep_size", 1)
+    return shard_stem(engine.pp_rank, engine.tp_rank, engine.ep_rank if ep > 1 else None)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -96,7 +103,9 @@ def engine_state(engine: Any, role: str, model_path: str, copy: bool,
             return t.to("cpu")
         return t.clone() if copy else t
 
-    named = engine.named_trainable()
+    offset = getattr(engine, "experts_offset", 0)
+    # experts under their global index: every EP rank's file holds other ones
+    named = [(global_name(n, offset), p) for n, p in engine.named_trainable()]
     tensors = {f"{PARAM}{SEP}{n}": cpu(p) for n, p in named}
     if engine.master is not None:
         tensors.update({f"{MASTER}{SEP}{n}": cpu(m if m is not None else others[i][MASTER])
@@ -145,6 +154,7 @@ def engine_state(engine: Any, role: str, model_path: str, copy: bool,
         "format": SHARD_FORMAT,
         "role": role,
         "layout": {"tp": engine.tp_size, "pp": engine.pp_size, "dp": engine.dp_size, "cp": engine.cp_size,
+                   "ep": getattr(engine, "ep_size", 1), "ep_rank": getattr(engine, "ep_rank", 0),
                    "tp_rank": engine.tp_rank,
                    "pp_rank": engine.pp_rank},
         "spec": engine.spec,
@@ -214,7 +224,7 @@ def write_shard(state: ShardState, ckpt_dir: str | Path, role: str) -> list[File
     root = Path(ckpt_dir)
     d = root / role
     lay = state.meta["layout"]
-    stem = shard_stem(lay["pp_rank"], lay["tp_rank"])
+    stem = shard_stem(lay["pp_rank"], lay["tp_rank"], lay["ep_rank"] if lay.get("ep", 1) > 1 else None)
     st, js = d / f"{stem}.safetensors", d / f"{stem}.json"
     meta = json.dumps(state.meta, indent=1, sort_keys=True)
     writing = st
@@ -354,31 +364,50 @@ class SavedRole:
     def __init__(self, role_dir: str | Path) -> None:
         self.dir = Path(role_dir)
         first = self.dir / f"{shard_stem(0, 0)}.json"
+        if not first.is_file() and (self.dir / f"{shard_stem(0, 0, 0)}.json").is_file():
+            first = self.dir / f"{shard_stem(0, 0, 0)}.json"  # saved with expert parallel
         if not first.is_file():
             raise FileNotFoundError(f"{self.dir}: no {first.name}; is this a role folder of an hpcrl checkpoint?")
         self.meta0 = json.loads(first.read_text())
         if self.meta0.get("format") != SHARD_FORMAT:
             raise ValueError(f"{first}: not an {SHARD_FORMAT} shard")
         lay = self.meta0["layout"]
-        self.tp, self.pp = int(lay["tp"]), int(lay["pp"])
+        self.tp, self.pp, self.ep = int(lay["tp"]), int(lay["pp"]), int(lay.get("ep", 1))
         self.arch = ModelArch(**self.meta0["arch"])
+        self.per_ep = self.arch.num_experts // self.ep if self.ep > 1 else 0
         self.spec = self.meta0["spec"]
         self.value_head = bool(self.meta0["value_head"])
-        self._metas: dict[tuple[int, int], dict[str, Any]] = {(0, 0): self.meta0}
-        self._handles: dict[tuple[int, int], Any] = {}
+        self._metas: dict[tuple[int, int], dict[str, Any]] = {}
+        self._handles: dict[tuple[int, int, int], Any] = {}
         self._cache: tuple[tuple[str, int, str], dict[str, torch.Tensor]] | None = None
 
+    def _stem(self, pp: int, tp: int, ep: int) -> str:
+        return shard_stem(pp, tp, ep if self.ep > 1 else None)
+
     def meta(self, pp: int, tp: int) -> dict[str, Any]:
+        """A (stage, TP rank) shard's metadata; saved with EP, its EP ranks' files together (every
+        parameter once: the experts of each, the rest from EP rank 0's)."""
         if (pp, tp) not in self._metas:
-            self._metas[(pp, tp)] = json.loads((self.dir / f"{shard_stem(pp, tp)}.json").read_text())
+            metas = [json.loads((self.dir / f"{self._stem(pp, tp, e)}.json").read_text()) for e in range(self.ep)]
+            merged = dict(metas[0])
+            seen = set(merged["params"])
+            for m in metas[1:]:
+                extra = [n for n in m["params"] if n not in seen]
+                merged["params"] = merged["params"] + extra
+                merged["shapes"] = {**merged["shapes"], **{n: m["shapes"][n] for n in extra}}
+                seen.update(extra)
+            self._metas[(pp, tp)] = merged
         return self._metas[(pp, tp)]
 
     def tensor(self, pp: int, tp: int, key: str) -> torch.Tensor:
         from safetensors import safe_open
 
-        if (pp, tp) not in self._handles:
-            self._handles[(pp, tp)] = safe_open(str(self.dir / f"{shard_stem(pp, tp)}.safetensors"), framework="pt")
-        return self._handles[(pp, tp)].get_tensor(key)
+        expert = expert_of(key.split(SEP, 1)[-1])
+        ep = expert // self.per_ep if expert is not None and self.per_ep else 0
+        if (pp, tp, ep) not in self._handles:
+            self._handles[(pp, tp, ep)] = safe_open(str(self.dir / f"{self._stem(pp, tp, ep)}.safetensors"),
+                                                    framework="pt")
+        return self._handles[(pp, tp, ep)].get_tensor(key)
 
     def kinds(self) -> list[str]:
         """The per-element tensor kinds saved for every parameter: param, master, exp_avg, ..."""
@@ -443,7 +472,8 @@ def _same_layout(engine: Any, meta: dict[str, Any] | None, names: list[str]) -> 
     if meta is None:
         return False
     lay = meta["layout"]
-    return (lay["tp"] == engine.tp_size and lay["pp"] == engine.pp_size and meta["spec"] == engine.spec
+    return (lay["tp"] == engine.tp_size and lay["pp"] == engine.pp_size and lay.get("ep", 1) == engine.ep_size
+            and meta["spec"] == engine.spec
             and meta["dtype"] == _dtype_name(engine.options.dtype) and meta["params"] == names
             and bool(meta["value_head"]) == bool(engine.value_head))
 
@@ -451,6 +481,7 @@ def _same_layout(engine: Any, meta: dict[str, Any] | None, names: list[str]) -> 
 def converted_tensors(engine: Any, saved: SavedRole) -> dict[str, torch.Tensor]:
     """This rank's tensors (`kind::name`, as a shard file holds them) rebuilt from a save made in
     another layout, spec or dtype."""
+    offset = engine.experts_offset
     names = [n for n, _ in engine.named_trainable()]
     kinds = saved.kinds()
     cur_dtype = engine.options.dtype
@@ -466,7 +497,8 @@ def converted_tensors(engine: Any, saved: SavedRole) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for kind, src in sources.items():
         shard = hf_to_megatron(saved.arch, saved.hf_getter(src), engine.tp_rank, engine.tp_size, engine.pp_rank,
-                               engine.pp_size, engine.spec, lm_head=not engine.value_head)
+                               engine.pp_size, engine.spec, lm_head=not engine.value_head, ep_rank=engine.ep_rank,
+                               ep_size=engine.ep_size)
         if engine.value_head and engine.model.post_process:
             shard.update(saved.value_head_tensors(src))
         missing, extra = set(names) - shard.keys(), shard.keys() - set(names)
@@ -475,21 +507,23 @@ def converted_tensors(engine: Any, saved: SavedRole) -> dict[str, torch.Tensor]:
                                f"unexpected {sorted(extra)[:5]}")
         # compact private copies: a slice may be a view into a full-size tensor of the reader, and
         # optimizer state must not alias anything (it is updated in place)
-        out.update({f"{kind}{SEP}{n}": t.clone() for n, t in shard.items()})
+        out.update({f"{kind}{SEP}{global_name(n, offset)}": t.clone() for n, t in shard.items()})
     if engine.optimizer is not None and opt:
         for k in opt["scalar"]:
             if k != "step" or opt["step"] is None:
                 raise ValueError(f"optimizer state {k!r} is a per-parameter scalar other than AdamW's step: "
                                  "it cannot be moved to another layout; load the checkpoint at its saved layout")
             for n in names:
-                out[f"step{SEP}{n}"] = torch.tensor(opt["step"], dtype=getattr(torch, opt["step_dtype"]))
+                out[f"step{SEP}{global_name(n, offset)}"] = torch.tensor(opt["step"],
+                                                                          dtype=getattr(torch, opt["step_dtype"]))
     return out
 
 
 def apply_state(engine: Any, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
     """Put weights, masters, optimizer state, step_count and the count of non-finite steps in a row
     into the engine (byte copies when the dtypes agree)."""
-    named = engine.named_trainable()
+    # (checkpoint names: experts under their global index)
+    named = [(global_name(n, engine.experts_offset), p) for n, p in engine.named_trainable()]
     with torch.no_grad():
         for n, p in named:
             p.copy_(tensors[f"{PARAM}{SEP}{n}"])
@@ -548,8 +582,8 @@ def load_engine(engine: Any, ckpt_dir: str | Path, role: str, rank: int, world_s
     if saved_lora != cur_lora:
         raise ValueError(f"{root / role}: saved with actor.lora {saved_lora or 'off'}, this run has "
                          f"{cur_lora or 'off'}; resume with the LoRA settings it was saved with")
-    names = [n for n, _ in engine.named_trainable()]
-    own = root / role / f"{shard_stem(engine.pp_rank, engine.tp_rank)}.json"
+    names = [global_name(n, engine.experts_offset) for n, _ in engine.named_trainable()]
+    own = root / role / f"{_engine_stem(engine)}.json"
     own_meta = json.loads(own.read_text()) if own.is_file() else None
     exact = _same_layout(engine, own_meta, names)
     if exact:
@@ -605,7 +639,7 @@ class RoleCheckpointer:
     def nbytes(self) -> int:
         """~Bytes this rank's next save will write: its shard (DP x CP replica 0) and its RNG file."""
         rank, world = self._rank()
-        shard = engine_nbytes(self.engine) if self.engine.replica_rank == 0 else 0
+        shard = engine_nbytes(self.engine) if self.engine.is_checkpoint_writer else 0
         return shard + len(rng_blob(rank, world, capture_rng())) + FILE_SLACK
 
     def save(self, ckpt_dir: str, async_save: bool = False) -> list[FileRecord]:
@@ -616,7 +650,7 @@ class RoleCheckpointer:
         # every DP rank takes part when the optimizer state is sharded: the writer gathers it
         others = self.engine.gather_optimizer_state()
         shard = engine_state(self.engine, self.role, self.model_path, copy=async_save, others=others) \
-            if self.engine.replica_rank == 0 else None
+            if self.engine.is_checkpoint_writer else None
         key = str(Path(ckpt_dir).resolve())
         rng = None
         if key not in _rng_written:

@@ -14,6 +14,10 @@ whose rollout engine needs it, and converts each bucket to HF names and layouts 
 - The bucket is converted (`megatron_to_hf_partial`) and handed to vLLM's `reload_weights` through
   a lazy iterator, then dropped: one bucket (plus its converted copy) is alive at a time, and no
   rank holds the whole model in the Megatron layout beyond its own shard.
+- Expert parallel (MoE): an MoE layer's experts are split over the EP ranks (carved from the DP x CP
+  replicas), so a layer is several units: its attention, norms and router (held by every replica),
+  and the experts of each EP rank (held by the replicas of that EP rank), each sent by a replica that
+  holds it. Expert tensors travel under their global index (`global_name`).
 - With tied embeddings `lm_head.weight` is pushed too (vLLM on CPU keeps a separate packed output
   layer); the last stage's copy of the embedding is not sent (it equals stage 0's).
 
@@ -31,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hpcrl.engines.megatron.convert import megatron_to_hf_partial
+from hpcrl.engines.megatron.convert import expert_of, global_name, local_name, megatron_to_hf_partial
 from hpcrl.engines.megatron.engine import MegatronEngine
 
 
@@ -71,13 +75,14 @@ class _Live:
         self.now -= n
 
 
-def _unit_of(name: str) -> tuple[int, int]:
-    """Sort key of a Megatron tensor's conversion unit: embedding, layers in order, final."""
+def _unit_of(name: str, holder: int = -1) -> tuple[int, int, int]:
+    """Sort key of a Megatron tensor's conversion unit: embedding, layers in order (with EP: a layer's
+    shared part, then each EP rank's experts: `holder`), final."""
     if name.startswith("embedding."):
-        return (0, 0)
+        return (0, 0, -1)
     if name.startswith("decoder.layers."):
-        return (1, int(name.split(".")[2]))
-    return (2, 0)
+        return (1, int(name.split(".")[2]), holder)
+    return (2, 0, -1)
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,7 @@ class _Bucket:
     dtypes: tuple[torch.dtype, ...]
     bytes_per_tp_rank: int
     largest_unit_bytes: int  # full size (all TP parts) of its largest conversion unit
+    holder: int = -1  # the EP rank whose replicas hold it (experts under expert parallel); -1: every replica
 
     def by_dtype(self) -> list[tuple[torch.dtype, list[int]]]:
         """(dtype, indices into names) of each flat buffer, in a fixed order."""
@@ -101,39 +107,47 @@ class _Bucket:
 
 def plan_buckets(engine: MegatronEngine, bucket_bytes: int) -> list[_Bucket]:
     """The same bucket list on every rank, from every stage's shard metadata (one small exchange)."""
-    mine = engine.shard_layout()
+    mine = {global_name(k, engine.experts_offset): v for k, v in engine.shard_layout().items()}
     per_rank: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, (engine.pp_rank, engine.tp_rank, mine))
     meta: dict[int, dict[str, tuple[tuple[int, ...], torch.dtype]]] = {}
     for pp, tp, m in per_rank:
-        if tp == 0:
-            meta[pp] = m
+        if tp == 0:  # (with EP the replicas of a stage hold other experts: the union)
+            meta.setdefault(pp, {}).update(m)
     tp_size = engine.tp_size
+    per_ep = engine.arch.num_experts // engine.ep_size if engine.ep_size > 1 else 0
+
+    def holder(name: str) -> int:
+        e = expert_of(name)
+        return -1 if e is None or not per_ep else e // per_ep
     buckets: list[_Bucket] = []
     for stage in range(engine.pp_size):
         names = [k for k in meta[stage] if not (engine.arch.tie_word_embeddings and k == "output_layer.weight")]
-        units: dict[tuple[int, int], list[str]] = {}
+        units: dict[tuple[int, int, int], list[str]] = {}
         for k in names:
-            units.setdefault(_unit_of(k), []).append(k)
+            units.setdefault(_unit_of(k, holder(k)), []).append(k)
         groups: list[list[str]] = []
         unit_max: list[int] = []
+        holders: list[int] = []
         cur_bytes = 0
         for key in sorted(units):
             unit = sorted(units[key])
             ub = sum(int(torch.Size(meta[stage][k][0]).numel()) * meta[stage][k][1].itemsize
                      for k in unit) * tp_size
-            if not groups or cur_bytes + ub > bucket_bytes:
+            # a bucket's parts come from one set of replicas: a new one where the holder changes
+            if not groups or cur_bytes + ub > bucket_bytes or holders[-1] != key[2]:
                 groups.append([])
                 unit_max.append(0)
+                holders.append(key[2])
                 cur_bytes = 0
             groups[-1].extend(unit)
             unit_max[-1] = max(unit_max[-1], ub)
             cur_bytes += ub
-        for group, umax in zip(groups, unit_max, strict=True):
+        for group, umax, held_by in zip(groups, unit_max, holders, strict=True):
             shapes = tuple(meta[stage][k][0] for k in group)
             dtypes = tuple(meta[stage][k][1] for k in group)
             nbytes = sum(int(torch.Size(s).numel()) * d.itemsize for s, d in zip(shapes, dtypes, strict=True))
-            buckets.append(_Bucket(stage, tuple(group), shapes, dtypes, nbytes, umax))
+            buckets.append(_Bucket(stage, tuple(group), shapes, dtypes, nbytes, umax, held_by))
     return buckets
 
 
@@ -143,25 +157,38 @@ def _owner(engine: MegatronEngine, tp: int, dp: int, pp: int) -> int:
     return tp + engine.tp_size * (dp + engine.replicas * pp)
 
 
-_GROUPS: dict[tuple[int, int, int], dict[tuple[int, int, int], Any]] = {}
+_GROUPS: dict[tuple[int, int, int, int], dict[tuple[int, int, int, bool], Any]] = {}
 
 
-def _receiver_groups(engine: MegatronEngine) -> dict[tuple[int, int, int], Any]:
-    """For each owner (tp, dp, pp): a process group of the owner and every rank that lacks its part.
-    The other replicas of that part hold it already, so they stay out of the broadcast (each rank
-    then receives exactly what it lacks). Built once per layout; collective on first use."""
-    key = (engine.tp_size, engine.pp_size, engine.replicas)
+def _holders(engine: MegatronEngine, holder: int) -> list[int]:
+    """The replicas (DP x CP indices) of a stage that hold a bucket: all, or those of EP rank `holder`
+    (megatron's expert ranks: TP fastest, then EP, so replica q is EP rank q % EP)."""
+    if holder < 0:
+        return list(range(engine.replicas))
+    return [q for q in range(engine.replicas) if q % engine.ep_size == holder]
+
+
+def _receiver_groups(engine: MegatronEngine) -> dict[tuple[int, int, int, bool], Any]:
+    """For each owner (tp, replica, pp) and kind of part (experts or the rest): a process group of the
+    owner and every rank that lacks the part. The other replicas holding it stay out of the broadcast
+    (each rank then receives exactly what it lacks). Built once per layout; collective on first use."""
+    key = (engine.tp_size, engine.pp_size, engine.replicas, engine.ep_size)
     if key not in _GROUPS:
-        groups: dict[tuple[int, int, int], Any] = {}
+        groups: dict[tuple[int, int, int, bool], Any] = {}
         world = dist.get_world_size()
-        for pp in range(engine.pp_size):
-            for dp in range(engine.replicas):
-                for tp in range(engine.tp_size):
-                    owner = _owner(engine, tp, dp, pp)
-                    twins = {_owner(engine, tp, d, pp) for d in range(engine.replicas)} - {owner}
-                    ranks = [r for r in range(world) if r not in twins]
-                    # every rank takes part in creating every group (torch.distributed's rule)
-                    groups[(tp, dp, pp)] = dist.new_group(ranks) if twins else dist.group.WORLD
+        made: dict[tuple[int, ...], Any] = {}
+        for experts in ((False, True) if engine.ep_size > 1 else (False,)):
+            for pp in range(engine.pp_size):
+                for dp in range(engine.replicas):
+                    holders = _holders(engine, dp % engine.ep_size if experts else -1)
+                    for tp in range(engine.tp_size):
+                        owner = _owner(engine, tp, dp, pp)
+                        twins = {_owner(engine, tp, d, pp) for d in holders} - {owner}
+                        ranks = tuple(r for r in range(world) if r not in twins)
+                        # every rank takes part in creating every group (torch.distributed's rule)
+                        if twins and ranks not in made:
+                            made[ranks] = dist.new_group(list(ranks))
+                        groups[(tp, dp, pp, experts)] = made[ranks] if twins else dist.group.WORLD
         _GROUPS[key] = groups
     return _GROUPS[key]
 
@@ -175,6 +202,7 @@ def stream_hf_weights(engine: MegatronEngine, bucket_bytes: int, stats: ReshardS
     groups = _receiver_groups(engine)
     # with LoRA a mapping that merges each adapted weight when read: a bucket's worth at a time
     own = engine.megatron_shard()
+    offset = engine.experts_offset  # this rank's experts under their global names
     live = _Live()
     rank = dist.get_rank()
     stats.bucket_bytes = bucket_bytes
@@ -182,19 +210,20 @@ def stream_hf_weights(engine: MegatronEngine, bucket_bytes: int, stats: ReshardS
         stats.model_bytes += b.bytes_per_tp_rank * engine.tp_size
         stats.largest_bucket_bytes = max(stats.largest_bucket_bytes, b.bytes_per_tp_rank * engine.tp_size)
         stats.largest_unit_bytes = max(stats.largest_unit_bytes, b.largest_unit_bytes)
-        if b.stage != engine.pp_rank:
+        if b.stage != engine.pp_rank or b.holder not in (-1, engine.ep_rank):
             stats.min_bytes_received += b.bytes_per_tp_rank * engine.tp_size
         else:
             stats.min_bytes_received += b.bytes_per_tp_rank * (engine.tp_size - 1)
     for i, b in enumerate(buckets):
-        src_dp = i % engine.replicas  # replicas of the stage take turns as the sender
+        holders = _holders(engine, b.holder)
+        src_dp = holders[i % len(holders)]  # the replicas holding the bucket take turns as the sender
         parts: list[dict[str, torch.Tensor]] = []
         for tp in range(engine.tp_size):
             src = _owner(engine, tp, src_dp, b.stage)
-            group = groups[(tp, src_dp, b.stage)]
-            if b.stage == engine.pp_rank and tp == engine.tp_rank:
+            group = groups[(tp, src_dp, b.stage, b.holder >= 0)]
+            if b.stage == engine.pp_rank and tp == engine.tp_rank and b.holder in (-1, engine.ep_rank):
                 # this rank holds the part (as the sender or as a replica of it): no copy needed
-                mine = {k: own[k].detach() for k in b.names}
+                mine = {k: own[local_name(k, offset)].detach() for k in b.names}
                 if rank == src:
                     for _, idx in b.by_dtype():
                         flat = torch.cat([mine[b.names[i]].reshape(-1) for i in idx])

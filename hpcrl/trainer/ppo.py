@@ -152,7 +152,9 @@ class PPOTrainer:
         self.dp_size = self.actor.layout.dp_size
         where = self.actor.describe()
         layout = (f"TP={where['tp']} PP={where['pp']}" + (f" CP={where['cp']}" if where["cp"] > 1 else "")
+                  + (f" EP={where['ep']}" if where["ep"] > 1 else "")
                   + f" DP={where['dp']}" + (" SP" if where["sequence_parallel"] else "")
+                  + (f", MoE {where['experts']} experts" if where["experts"] else "")
                   + (f", recompute {where['recompute']}" if where["recompute"] != "none" else ""))
         log.info("worker groups ready in %.1f s: %s (actor %s; rank 0: %s %s, %d torch thread(s), CPUs %s, "
                  "torch.compile %s)",

@@ -228,10 +228,6 @@ def _check_experts(cfg: DictConfig, hf: dict[str, Any], problems: list[str]) -> 
             problems.append(f"{role}.parallel.expert_parallel={lay.ep}: the model has {experts} experts per MoE layer "
                             f"(num_experts); EP must divide them, and the {role}'s DP x CP = {room}. Use "
                             f"expert_parallel in {{{fits}}}.")
-        if lay.ep > 1:
-            problems.append(f"{role}.parallel.expert_parallel={lay.ep}: expert parallel runs in the Megatron engine, "
-                            "but hpcrl's weight sync to vLLM and its checkpoints do not carry experts split over EP "
-                            "ranks yet. Set it to 1 (every DP rank then holds all experts).")
         trains = role == "actor" or (role == "critic" and not cfg.critic.model_path)
         if trains and lay.tp > 1 and not lay.sp:
             problems.append(f"{role}.parallel.sequence_parallel=false: an MoE model trains at tensor parallel "

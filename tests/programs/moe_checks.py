@@ -95,7 +95,7 @@ def update_checks(workers: int, res: dict[str, Any], tmp: Path, timed: Any) -> N
     weights = {}
     layouts = [("ep1", 1, 1, False, 0.0), ("ep2", 1, 2, False, 0.0), ("tp2-sp-ep2", 2, 2, True, 0.0),
                # the same update with the load-balancing loss: only the routers (and what they feed) differ
-               ("ep2-aux", 1, 2, False, 0.5)]
+               ("ep2-aux", 1, 2, False, 0.5), ("ep1-aux", 1, 1, False, 0.5)]
     for name, tp, ep, sp, aux in layouts:
         if workers % tp or (workers // tp) % ep:
             continue
@@ -126,7 +126,12 @@ def update_checks(workers: int, res: dict[str, Any], tmp: Path, timed: Any) -> N
         "keys": len(base), "routers": len(routers), "experts": len(experts),
         "change_rel": norm({k: base[k] - w0[k] for k in base}, list(base)) / norm(w0, list(base)),
         **{name: {"update_rel": max_rel(w, list(base)), "router_update_rel": max_rel(w, routers)}
-           for name, w in weights.items() if name != "ep1"}}
+           for name, w in weights.items() if name not in ("ep1", "ep1-aux")}}
+    # the load-balancing term at EP=2 against EP=1 (the same DP=4 micro-batches: megatron's aux_loss is a
+    # micro-batch's, so only layouts that cut the same micro-batches give the same term)
+    a, b = weights["ep2-aux"], weights["ep1-aux"]
+    res["update_compare"]["aux_ep2_vs_ep1"] = (norm({k: a[k] - b[k] for k in b}, list(b))
+                                               / norm({k: b[k] - w0[k] for k in b}, list(b)))
 
 
 def reference_checks(workers: int, res: dict[str, Any], timed: Any) -> None:

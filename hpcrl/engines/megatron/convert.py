@@ -87,18 +87,32 @@ def expert_range(arch: ModelArch, ep_rank: int, ep_size: int) -> range:
     return range(ep_rank * per, (ep_rank + 1) * per)
 
 
+def global_name(name: str, offset: int) -> str:
+    """A Megatron parameter's name with its local expert index (if any) made global."""
+    if not offset or EXPERTS not in name:
+        return name
+    head, rest = name.split(EXPERTS)
+    index, tail = rest.split(".", 1)
+    return f"{head}{EXPERTS}{int(index) + offset}.{tail}"
+
+
+def local_name(name: str, offset: int) -> str:
+    """The inverse of `global_name` on the EP rank whose experts start at `offset`."""
+    return global_name(name, -offset) if offset else name
+
+
+def expert_of(name: str) -> int | None:
+    """The (global) expert index a Megatron parameter belongs to, or None."""
+    if EXPERTS not in name:
+        return None
+    return int(name.split(EXPERTS)[1].split(".", 1)[0])
+
+
 def global_expert_names(shard: dict[str, torch.Tensor], offset: int) -> dict[str, torch.Tensor]:
     """`shard` with local expert indices renamed to global ones (offset: the first expert this EP rank holds)."""
     if not offset:
         return shard
-    out = {}
-    for k, v in shard.items():
-        if EXPERTS in k:
-            head, rest = k.split(EXPERTS)
-            index, tail = rest.split(".", 1)
-            k = f"{head}{EXPERTS}{int(index) + offset}.{tail}"
-        out[k] = v
-    return out
+    return {global_name(k, offset): v for k, v in shard.items()}
 
 
 def _mlp_to_megatron(get: TensorGetter, hf: str, mg: str, tp_rank: int, tp_size: int,

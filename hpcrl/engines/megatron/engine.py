@@ -126,6 +126,11 @@ class MegatronEngine(WeightsMixin, ForwardMixin, TrainStepMixin, OptimizerMixin)
         self.ep_rank = ps.get_expert_model_parallel_rank()
         self.ep_size = ps.get_expert_model_parallel_world_size()
         self.experts_offset = self.ep_rank * (arch.num_experts // self.ep_size) if arch.is_moe else 0
+        if self.ep_rank != self.replica_rank % self.ep_size:  # what the reshard and checkpoints rely on
+            raise RuntimeError(f"megatron's expert-parallel rank {self.ep_rank} is not replica {self.replica_rank} "
+                               f"mod EP={self.ep_size}")
+        # who writes this rank's part of a checkpoint: the first replica (with EP: of its EP rank)
+        self.is_checkpoint_writer = self.replica_rank < self.ep_size
         if self.options.lora is not None and self.options.sequence_parallel:
             raise ValueError("LoRA adapters with sequence parallel are not supported: turn "
                              "actor.parallel.sequence_parallel off for LoRA runs")
