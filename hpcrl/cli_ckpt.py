@@ -108,10 +108,11 @@ def cmd_export_hf(args: argparse.Namespace) -> int:
     export = export_peft if args.lora else export_hf
     info = export(path, args.out, role=args.role, model_path=args.model_path)
     what = "LoRA adapters (PEFT folder)" if args.lora else "weights"
-    print(f"exported {args.role} {what} of {path.name} (step_count {info['step_count']}, saved at "
-          f"TP={info['layout']['tp']} PP={info['layout']['pp']}) to {info['out']}: {info['tensors']} tensors in "
-          f"{info['files']} file(s), "
-          f"{_size(info['bytes'])}; config/tokenizer from {info['model_path']}")
+    lay = info["layout"]
+    saved_at = f"TP={lay['tp']} PP={lay['pp']}" + (f" EP={lay['ep']}" if lay.get("ep", 1) > 1 else "")
+    print(f"exported {args.role} {what} of {path.name} (step_count {info['step_count']}, saved at {saved_at}) to "
+          f"{info['out']}: {info['tensors']} tensors in {info['files']} file(s), {_size(info['bytes'])}; "
+          f"config/tokenizer from {info['model_path']}")
     return 0
 
 

@@ -182,6 +182,26 @@ def test_signals_reach_the_controller_and_cancel(tmp_path: Path, env_registry: d
 
 
 @pytest.mark.slurm
+def test_submit_moe_runs_two_steps(jobs: dict, tmp_path: Path, env_registry: dict[str, str]) -> None:
+    """hpcrl submit configs/grpo_tiny_moe.yaml (tiny Qwen3-MoE, TP=2 SP, routing replay) on one node of
+    the local cluster, after the jobs above: 2 steps, the fp32 rollout-vs-actor gap after each sync."""
+    run_dir = tmp_path / "moe"
+    r = run([HPCRL, "submit", "--nodes", "1", "--json", "configs/grpo_tiny_moe.yaml", "trainer.total_steps=2",
+             "trainer.val_every=0", f"trainer.run_dir={run_dir}"], timeout=300, env=env_registry)
+    assert r.returncode == 0, r.stderr + r.stdout
+    sub = json.loads(r.stdout)
+    try:
+        _wait_done(sub["job_id"], time.monotonic() + JOB_DEADLINE_S)
+    finally:
+        run(["scancel", sub["job_id"]], timeout=60)
+    logs = _tail(Path(sub["stdout"])) + _tail(Path(sub["stderr"]))
+    assert set(_sacct_components(sub["job_id"]).values()) == {"COMPLETED"}, logs
+    assert _steps(run_dir) == [1, 2], logs
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["rollout_actor_logprob_gap_max"] < 1e-4 and m["actor/moe/replayed_share"] > 0.9 for m in steps), steps
+
+
+@pytest.mark.slurm
 def test_submit_grpo_hetjob_completes(jobs: dict, env_registry: dict[str, str]) -> None:
     """hpcrl submit --nodes 1 --rollout-nodes 1 configs/grpo_tiny.yaml, 3 steps: the three het components
     (controller, trainer node, rollout node) COMPLETED, 3 steps of metrics; after every weight transfer

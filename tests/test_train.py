@@ -14,7 +14,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import HPCRL, TRAIN_STEPS, hpcrl_run, read_jsonl, run
+import torch
+from conftest import HPCRL, REPO, TRAIN_STEPS, hpcrl_run, read_jsonl, run
 
 # W&B offline gets a key in its environment it must never write anywhere (hpcrl.trainer.wandb_sink)
 FAKE_WANDB_KEY = "hpcrl-test-fake-wandb-key-8f3a91c2d7e4b605"
@@ -517,6 +518,17 @@ def test_moe_config_runs_two_steps_and_resumes(tmp_path: Path) -> None:
         return {path: rec["sha256"] for path, rec in items if path.startswith("actor/")}
 
     assert actor_digests(d) and actor_digests(d) == actor_digests(ref)
+    # `hpcrl ckpt export-hf` of the EP=2 checkpoint: every HF tensor of the model (each expert from
+    # its EP rank's file), trained away from the start
+    r = run([HPCRL, "ckpt", "export-hf", str(d), "--out", str(tmp_path / "hf")], timeout=300)
+    assert r.returncode == 0 and "saved at TP=1 PP=1 EP=2" in r.stdout, f"{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    from safetensors.torch import load_file
+
+    start = load_file(str(REPO / "models" / "tiny-qwen3-moe" / "model.safetensors"))
+    out = {k: v for f in (tmp_path / "hf").glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    assert sorted(out) == sorted(start)
+    experts = [k for k in start if ".mlp.experts." in k]
+    assert len(experts) == 4 * 8 * 3 and sum(not torch.equal(out[k], start[k]) for k in experts) > len(experts) // 2
     # the step-2 checkpoint at the config's layout (TP=2 SP, EP=1): measured 3e-8 relative on every metric
     r = run([HPCRL, "run", "configs/grpo_tiny_moe.yaml", "rollout.tensor_parallel=2", f"trainer.run_dir={other}",
              "trainer.total_steps=3", "actor.moe.aux_loss_coeff=0"], timeout=900)
