@@ -96,12 +96,13 @@ def update_checks(workers: int, res: dict[str, Any], tmp: Path, timed: Any) -> N
     layouts = [("ep1", 1, 1, False, 0.0), ("ep2", 1, 2, False, 0.0), ("tp2-sp-ep2", 2, 2, True, 0.0),
                # the same update with the load-balancing loss: only the routers (and what they feed) differ
                ("ep2-aux", 1, 2, False, 0.5), ("ep1-aux", 1, 1, False, 0.5)]
+    layouts.append(("ep2-z", 1, 2, False, 0.0))  # the router z-loss alone (coefficient below)
     for name, tp, ep, sp, aux in layouts:
         if workers % tp or (workers // tp) % ep:
             continue
         t0 = time.time()
         cfg = moe_cfg(QWEN3_MOE, tp, 1, ep, sp, ppo_mini_batch_size=8, entropy_coeff=0.01)
-        cfg["actor"]["moe"] = {"aux_loss_coeff": aux, "z_loss_coeff": 0.0}
+        cfg["actor"]["moe"] = {"aux_loss_coeff": aux, "z_loss_coeff": 0.05 if name == "ep2-z" else 0.0}
         cfg["actor"]["optim"]["lr"] = 1e-3
         actor = WorkerGroup(MegatronRole, init_kwargs={"cfg": cfg, "role": "actor"}, name=f"moe-upd-{name}")
         arranged = arrange_minibatches(copy.copy(ub), 2, actor.layout.dp_size, "token-mean")
@@ -127,6 +128,8 @@ def update_checks(workers: int, res: dict[str, Any], tmp: Path, timed: Any) -> N
         "change_rel": norm({k: base[k] - w0[k] for k in base}, list(base)) / norm(w0, list(base)),
         **{name: {"update_rel": max_rel(w, list(base)), "router_update_rel": max_rel(w, routers)}
            for name, w in weights.items() if name not in ("ep1", "ep1-aux")}}
+    # the z-loss pulls the router logits towards 0: the routers' weights end smaller than without it
+    res["update_compare"]["router_norm_z_vs_none"] = norm(weights["ep2-z"], routers) / norm(weights["ep2"], routers)
     # the load-balancing term at EP=2 against EP=1 (the same DP=4 micro-batches: megatron's aux_loss is a
     # micro-batch's, so only layouts that cut the same micro-batches give the same term)
     a, b = weights["ep2-aux"], weights["ep1-aux"]
