@@ -529,7 +529,8 @@ def test_moe_config_runs_two_steps_and_resumes(tmp_path: Path) -> None:
     assert sorted(out) == sorted(start)
     experts = [k for k in start if ".mlp.experts." in k]
     assert len(experts) == 4 * 8 * 3 and sum(not torch.equal(out[k], start[k]) for k in experts) > len(experts) // 2
-    # the step-2 checkpoint at the config's layout (TP=2 SP, EP=1): measured 3e-8 relative on every metric
+    # the step-2 checkpoint at the config's layout (TP=2 SP, EP=1): measured 2.9e-8 relative at most on the
+    # actor's metrics (pg_loss and grad_norm equal)
     r = run([HPCRL, "run", "configs/grpo_tiny_moe.yaml", "rollout.tensor_parallel=2", f"trainer.run_dir={other}",
              "trainer.total_steps=3", "actor.moe.aux_loss_coeff=0"], timeout=900)
     assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}"
