@@ -178,7 +178,10 @@ def job_ranks(run_dir: Path, restart: int) -> dict[int, int]:
             continue
         try:
             argv = (d / "cmdline").read_bytes().split(b"\0")
-            if not any(a.endswith(b"hpcrl_entry.py") for a in argv):
+            # A rank is `python launchers/hpcrl_entry.py ...`; srun's own argv holds that path too, and with
+            # SLURM_PROCID=0 from the batch step srun would pass for rank 0 whenever its pid is the higher
+            # one (after the pid counter wraps: CI saw srun at 32750 and the ranks at 322-326).
+            if len(argv) < 2 or not argv[1].endswith(b"hpcrl_entry.py"):
                 continue
             env = dict(kv.split(b"=", 1) for kv in (d / "environ").read_bytes().split(b"\0") if b"=" in kv)
             parent = (Path("/proc") / (d / "stat").read_text().rsplit(")", 1)[1].split()[1] / "cmdline").read_bytes()
