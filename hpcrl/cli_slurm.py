@@ -68,7 +68,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
         return 0
     gpus = cfg.slurm.gpus_per_node
     rollout = f" (the last {args.rollout_nodes} for the rollout engines)" if args.rollout_nodes else ""
-    print(f"hpcrl submit: job {sub.job_id} ({sub.job_name}): 1 controller + {cfg.trainer.nnodes} node(s){rollout} x "
+    nodes = args.nodes if args.nodes and "-" in str(args.nodes) else cfg.trainer.nnodes
+    print(f"hpcrl submit: job {sub.job_id} ({sub.job_name}): 1 controller + {nodes} node(s){rollout} x "
           f"{cfg.trainer.workers_per_node} worker(s){f', {gpus} GPU(s) per node' if gpus else ''}, "
           f"partition {cfg.slurm.partition or '(default)'}, time {cfg.slurm.time}")
     print(f"  run dir   {sub.run_dir}")
@@ -168,7 +169,9 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                                    "(with --rollout-nodes, het group 2 = the rollout nodes). "
                                    "Logs and job files go to {trainer.run_dir}/slurm/.")
     add_config_arguments(p)
-    p.add_argument("--nodes", type=int, help="worker nodes (sets trainer.nnodes; default: the config's)")
+    p.add_argument("--nodes", type=lambda v: int(v) if v.strip().isdigit() else v,
+                   help="worker nodes (sets trainer.nnodes; default: the config's), or MIN-MAX: Slurm grants what it "
+                        "can in the range, DP follows, TP/PP stay")
     p.add_argument("--rollout-nodes", type=int,
                    help="M more nodes for the vLLM engines alone, in a third het group (sets trainer.placement=split, "
                         "trainer.rollout_workers = M x workers per node, trainer.nnodes = NODES + M)")

@@ -248,3 +248,45 @@ def test_truncated_importance_weights_by_hand() -> None:
     assert m["rollout_is/weight_mean"] == pytest.approx((0.5 + 1.0 + 1.5 + 2.0) / 4, abs=1e-6)
     assert m["rollout_is/ratio_max"] == pytest.approx(4.0, rel=1e-6)
     assert m["rollout_is/truncated_frac"] == pytest.approx(0.25)
+
+
+def test_masked_importance_weights_by_hand() -> None:
+    """MIS (algorithm.rollout_correction=mis): the same ratios 0.5, 1, 1.5, 4 with cap 2 give weights
+    0.5, 1, 1.5 and 0 (the token above the cap is masked, not truncated)."""
+    p_old = torch.tensor([[0.2, 0.3, 0.3, 0.8]])
+    p_rollout = torch.tensor([[0.4, 0.3, 0.2, 0.2]])
+    mask = torch.ones(1, 4)
+    w, m = truncated_is_weights(p_old.log(), p_rollout.log(), mask, cap=2.0, mode="mis")
+    assert w[0].tolist() == pytest.approx([0.5, 1.0, 1.5, 0.0], abs=1e-6)
+    assert m["rollout_is/weight_mean"] == pytest.approx(3.0 / 4, abs=1e-6)
+    assert m["rollout_is/truncated_frac"] == pytest.approx(0.25)
+    with pytest.raises(ValueError, match="mode 'cap'"):
+        truncated_is_weights(p_old.log(), p_rollout.log(), mask, cap=2.0, mode="cap")
+
+
+def test_decoupled_ppo_objective_by_hand() -> None:
+    """The decoupled PPO objective (behaviour = the rollout engine's policy, proximal = the trainer's
+    recomputed old policy): per token -w * min(r A, clip(r, 0.8, 1.2) A) with r = pi / pi_prox and
+    w from pi_prox / pi_behav. Four tokens, worked out by hand:
+
+      pi     pi_prox  pi_behav  A     r     clip(r)  min(rA, clip(r)A)   prox/behav  w tis  w mis
+      0.30   0.20     0.40      +1    1.5   1.2      1.2                 0.5         0.5    0.5
+      0.10   0.20     0.10      -2    0.5   0.8      -1.6                2.0         2.0    2.0
+      0.22   0.20     0.05      +1    1.1   1.1      1.1                 4.0         3.0    0
+      0.09   0.10     0.10      -1    0.9   0.9      -0.9                1.0         1.0    1.0
+
+    loss tis = -(0.5 * 1.2 + 2 * -1.6 + 3 * 1.1 + 1 * -0.9) / 4 = -(0.6 - 3.2 + 3.3 - 0.9) / 4 = 0.05
+    loss mis = -(0.6 - 3.2 + 0 - 0.9) / 4 = 0.875"""
+    pi = torch.tensor([[0.30, 0.10, 0.22, 0.09]])
+    prox = torch.tensor([[0.20, 0.20, 0.20, 0.10]])
+    behav = torch.tensor([[0.40, 0.10, 0.05, 0.10]])
+    adv = torch.tensor([[1.0, -2.0, 1.0, -1.0]])
+    mask = torch.ones(1, 4)
+    per_token, clipped = ppo_policy_loss(pi.log(), prox.log(), adv, 0.2, 0.2)
+    assert (-per_token[0]).tolist() == pytest.approx([1.2, -1.6, 1.1, -0.9], abs=1e-6)
+    assert clipped[0].tolist() == [True, True, False, False]
+    for mode, cap, expected in (("tis", 3.0, 0.05), ("mis", 3.0, 0.875)):
+        w, _ = truncated_is_weights(prox.log(), behav.log(), mask, cap=cap, mode=mode)
+        assert float((w * per_token).mean()) == pytest.approx(expected, abs=1e-6), mode
+    # without the weights the loss is the plain clipped surrogate against the proximal policy
+    assert float(per_token.mean()) == pytest.approx(-(1.2 - 1.6 + 1.1 - 0.9) / 4, abs=1e-6)

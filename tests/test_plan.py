@@ -22,12 +22,11 @@ from hpcrl.plan import (
     read_model_shape,
     role_layer_activations,
 )
+from hpcrl.plan.activations import GIB, stored_activation_elements_per_token
 from hpcrl.plan.memory import (
     CPU_PROCESS_OVERHEAD_BYTES,
     CPU_TRAINER_PROCESS_OVERHEAD_BYTES,
-    GIB,
     GPU_RUNTIME_RESERVE_BYTES,
-    stored_activation_elements_per_token,
 )
 from hpcrl.plan.moe import DISPATCH_LABEL, expert_shard_params
 from hpcrl.plan.shape import ModelConfigError, megatron_shard_params, shape_from_hf_config, vllm_shard_params
@@ -695,7 +694,7 @@ def test_moe_layouts_megatron_refuses() -> None:
     assert any("expert_parallel=3: must divide the model's 8 experts" in p
                for p in problems(*three, "actor.parallel.expert_parallel=3"))
     # the plan's suggestions keep sequence parallel on where they take an MoE model to TP > 1
-    from hpcrl.plan.report import _with_valid_budgets
+    from hpcrl.plan.suggest import _with_valid_budgets
 
     cfg = load_config(REPO / TINY, list(three))
     assert _with_valid_budgets(cfg, {"actor.parallel.tensor_parallel": 2}, moe=True) == {

@@ -301,6 +301,91 @@ def test_world_killed_in_a_save_resumes_at_the_epoch_boundary_like_an_uninterrup
     assert not [p.name for p in ckpts.iterdir() if p.name.startswith(".tmp-step_00000004")]  # debris removed
 
 
+def hf_weights(run_dir: Path, step: int, out: Path) -> dict:
+    """The actor of a run's checkpoint `step` as HF tensors (`hpcrl ckpt export-hf`: any layout)."""
+    from safetensors.torch import load_file
+
+    r = run([HPCRL, "ckpt", "export-hf", str(run_dir), "--step", str(step), "--out", str(out)], timeout=300)
+    assert r.returncode == 0, f"{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+
+def resumable_copy(ref_dir: Path, to: Path, step: int) -> Path:
+    """A copy of the reference run as it stood after `step`'s checkpoint (later ones removed)."""
+    import shutil
+
+    shutil.copytree(ref_dir, to)
+    for p in (to / "checkpoints").iterdir():
+        if p.name.startswith("step_") and int(p.name[5:]) > step:
+            shutil.rmtree(p)
+    (to / "checkpoints" / "latest").write_text(f"step_{step:08d}\n")
+    return to
+
+
+def test_resumed_on_other_allocations_trains_as_the_uninterrupted_run(grpo_reference: tuple[Path, list[dict]],
+                                                                     tmp_path: Path) -> None:
+    """A checkpoint resumes on whatever allocation comes next (docs/checkpoint.md). The reference's
+    step-8 checkpoint (4 workers, TP=2 x DP=2, colocated; AdamW's moments cut over DP) resumed for
+    steps 9-10 on 2 workers at TP=1 x DP=2, on 1 worker, and split (2 trainer workers at TP=2, DP=1,
+    and 2 rollout workers; generation not ahead) for step 9, whose checkpoint resumes colocated on 2
+    workers for step 10. Each trains the uninterrupted run's prompts with its sampling seeds, draws
+    the same samples (rewards and lengths equal), and ends with the same weights within fp32 rounding
+    (measured: 1.0e-4 of the largest change of steps 9-10 at most). Resuming with another model or another
+    data seed is refused before anything starts, naming both values, and changes nothing."""
+    ref_dir, ref_steps = grpo_reference
+    assert (ref_dir / "checkpoints" / "step_00000008").is_dir()
+    ref_weights = hf_weights(ref_dir, TRAIN_STEPS, tmp_path / "ref-hf")
+    # what steps 9-10 changed: the scale of the differences below (a step skipped or repeated, or the
+    # moments lost, would differ by about this much)
+    start = hf_weights(resumable_copy(ref_dir, tmp_path / "at8", 8), 8, tmp_path / "at8-hf")
+    update = max(float((ref_weights[k] - start[k]).abs().max()) for k in start)
+    assert update > 1e-3
+
+    def resume(name: str, *layout: str, steps: int = TRAIN_STEPS, src: Path | None = None) -> Path:
+        d = tmp_path / name if src else resumable_copy(ref_dir, tmp_path / name, 8)
+        if src:
+            import shutil
+
+            shutil.copytree(src, d)
+        hpcrl_run(d, *layout, f"trainer.total_steps={steps}", "checkpoint.save_every=1")
+        assert "resumed from" in controller_log(d)
+        return d
+
+    tp1 = resume("tp1-dp2", "trainer.workers_per_node=2", "actor.parallel.tensor_parallel=1")
+    one = resume("one-worker", "trainer.workers_per_node=1", "actor.parallel.tensor_parallel=1")
+    split = resume("split", "trainer.placement=split", "trainer.rollout_workers=2", "rollout.max_staleness=0",
+                   steps=9)
+    assert "split" in controller_log(split)
+    back = resume("split-then-colocated", "trainer.workers_per_node=2", "actor.parallel.tensor_parallel=1",
+                  src=split)
+    worst = {}
+    for d in (tp1, one, back):
+        steps = read_jsonl(d / "metrics.jsonl")
+        assert [m["step"] for m in steps] == list(range(1, TRAIN_STEPS + 1)), d
+        for mine, ref in zip(steps[8:], ref_steps[8:], strict=True):
+            for k in ("data/prompt_rows", "data/sampling_seeds", "reward/mean", "response_length/mean",
+                      "response_length/max"):
+                assert mine[k] == ref[k], (d.name, mine["step"], k, mine[k], ref[k])
+            for k in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+                assert mine[k] == pytest.approx(ref[k], rel=1e-4, abs=1e-6), (d.name, mine["step"], k)
+        got = hf_weights(d, TRAIN_STEPS, tmp_path / f"{d.name}-hf")
+        assert sorted(got) == sorted(ref_weights)
+        worst[d.name] = max(float((got[k] - ref_weights[k]).abs().max()) for k in got) / update
+    print("weights after step 10, largest difference relative to the largest change of steps 9-10:", worst)
+    # measured 6.7e-5 .. 1.0e-4 (1.1e-6 .. 1.7e-6 absolute; the largest on the key biases, whose gradient
+    # is rounding noise that Adam scales up)
+    assert max(worst.values()) < 1e-3, worst
+    # the control: another model or data seed on the same run directory, refused before anything starts
+    d = resumable_copy(ref_dir, tmp_path / "refused", 8)
+    before = {p: p.read_bytes() for p in d.rglob("*") if p.is_file()}
+    r = run([HPCRL, "run", "configs/grpo_tiny.yaml", f"trainer.run_dir={d}", *TRAIN_OVERRIDES,
+             "model.path=models/tiny-qwen3", "data.seed=7"], timeout=300)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "checkpoint.resume:" in r.stderr and "data.seed: 1 in the checkpoint, 7 now" in r.stderr, r.stderr
+    assert "'models/tiny-qwen3' is another model than the checkpoint's 'models/tiny-qwen2'" in r.stderr, r.stderr
+    assert {p: p.read_bytes() for p in d.rglob("*") if p.is_file()} == before
+
+
 def processes() -> dict[int, bytes]:
     out = {}
     for d in Path("/proc").iterdir():
@@ -346,3 +431,24 @@ def test_one_step_off_run_stopped_and_resumed_trains_on_the_same_batches(one_ste
     rows = [r for m in steps for r in m["data/prompt_rows"]]
     assert len(rows) == len(set(rows)) == 8 * TRAIN_STEPS
     assert shard_digests(ref_dir, TRAIN_STEPS) == shard_digests(run_dir, TRAIN_STEPS)
+
+
+def test_one_step_off_checkpoint_resumes_colocated_on_the_same_prompts(one_step_off: tuple[Path, list[dict]],
+                                                                       tmp_path: Path) -> None:
+    """The reverse of the split resume above: the one-step-off run's step-8 checkpoint (split placement,
+    holding the batch generated ahead for step 9) resumed colocated, generation not ahead. The queued
+    batch, a step staler than the new bound of 0, is generated again from its prompts with the current
+    weights (logged), so steps 9-10 train the prompts the one-step-off run trained, each prompt once."""
+    ref_dir, ref_steps = one_step_off
+    d = resumable_copy(ref_dir, tmp_path / "colocated", 8)
+    assert (d / "checkpoints" / "step_00000008" / "rollouts_ahead.pt").is_file()
+    steps = hpcrl_run(d)
+    log = controller_log(d)
+    assert "resumed with 1 batch(es) generated ahead, for step(s) [9]" in log, log[-3000:]
+    assert "regenerating its 8 prompts with the current weights" in log, log[-3000:]
+    assert [m["step"] for m in steps] == list(range(1, TRAIN_STEPS + 1))
+    assert [m["data/prompt_rows"] for m in steps] == [m["data/prompt_rows"] for m in ref_steps]
+    assert [m["data/sampling_seeds"] for m in steps[8:]] == [m["data/sampling_seeds"] for m in ref_steps[8:]]
+    rows = [r for m in steps for r in m["data/prompt_rows"]]
+    assert len(rows) == len(set(rows)) == 8 * TRAIN_STEPS
+    assert "rollout/staleness" not in steps[-1]  # step 10 was generated colocated, after step 9's update

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -55,10 +56,19 @@ def _sacct_components(job_id: str) -> dict[str, str]:
 
 
 def _wait_done(job_id: str, deadline: float) -> None:
+    pending_since = None
     while time.monotonic() < deadline:
-        q = run(["squeue", "-h", "-j", job_id], timeout=60)
+        q = run(["squeue", "-h", "-j", job_id, "-o", "%T %P"], timeout=60)
         if not q.stdout.strip():
             return
+        # this local cluster can leave a hetjob pending (reason None) on idle nodes until the partition is
+        # touched (docs/slurm.md; seen for a job submitted into a run dir whose last job had just ended);
+        # a real scheduler's next cycle starts it, and touching it changes nothing else
+        state, partition = (q.stdout.split() + ["", ""])[:2]
+        pending_since = (pending_since or time.monotonic()) if state == "PENDING" else None
+        if pending_since is not None and time.monotonic() - pending_since > 15:
+            run(["scontrol", "update", f"PartitionName={partition}", "State=UP"], timeout=60)
+            pending_since = None
         time.sleep(3)
     run(["scancel", job_id], timeout=60)
     pytest.fail(f"job {job_id} did not finish in {JOB_DEADLINE_S} s")
@@ -182,9 +192,11 @@ def test_signals_reach_the_controller_and_cancel(tmp_path: Path, env_registry: d
 
 
 @pytest.mark.slurm
-def test_submit_moe_runs_two_steps(jobs: dict, tmp_path: Path, env_registry: dict[str, str]) -> None:
+def test_submit_moe_runs_two_steps_then_resumes_on_a_node_range(jobs: dict, tmp_path: Path,
+                                                                 env_registry: dict[str, str]) -> None:
     """hpcrl submit configs/grpo_tiny_moe.yaml (tiny Qwen3-MoE, TP=2 SP, routing replay) on one node of
-    the local cluster, after the jobs above: 2 steps, the fp32 rollout-vs-actor gap after each sync."""
+    the local cluster, after the jobs above: 2 steps, the fp32 rollout-vs-actor gap after each sync;
+    then `hpcrl submit --nodes 1-2` of the same run directory resumes it on what Slurm grants."""
     run_dir = tmp_path / "moe"
     r = run([HPCRL, "submit", "--nodes", "1", "--json", "configs/grpo_tiny_moe.yaml", "trainer.total_steps=2",
              "trainer.val_every=0", f"trainer.run_dir={run_dir}"], timeout=300, env=env_registry)
@@ -199,6 +211,27 @@ def test_submit_moe_runs_two_steps(jobs: dict, tmp_path: Path, env_registry: dic
     assert _steps(run_dir) == [1, 2], logs
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert all(m["rollout_actor_logprob_gap_max"] < 1e-4 and m["actor/moe/replayed_share"] > 0.9 for m in steps), steps
+    # the same run directory submitted again on whatever Slurm grants of 1-2 nodes x 2 workers (the first
+    # job had 1 x 4): it resumes from step 2 and trains step 3 with the DP the allocation gives
+    r = run([HPCRL, "submit", "--nodes", "1-2", "--json", "configs/grpo_tiny_moe.yaml", "trainer.total_steps=3",
+             "trainer.val_every=0", "trainer.workers_per_node=2", f"trainer.run_dir={run_dir}"], timeout=300,
+            env=env_registry)
+    assert r.returncode == 0, r.stderr + r.stdout
+    sub = json.loads(r.stdout)
+    assert "#SBATCH --nodes=1-2" in Path(sub["submission_file"]).read_text()
+    try:
+        _wait_done(sub["job_id"], time.monotonic() + JOB_DEADLINE_S)
+    finally:
+        run(["scancel", sub["job_id"]], timeout=60)
+    err = Path(sub["stderr"]).read_text(errors="replace")
+    assert set(_sacct_components(sub["job_id"]).values()) == {"COMPLETED"}, _tail(Path(sub["stderr"]))
+    granted = re.search(r"\[hpcrl slurm\] granted (\d) worker node\(s\) x 2 task\(s\): actor TP=2 PP=1 DP=(\d) SP", err)
+    assert granted and int(granted.group(2)) == int(granted.group(1)), err[-3000:]
+    assert _steps(run_dir) == [1, 2, 3]
+    log = (run_dir / "logs" / "controller.log").read_text()
+    assert "resumed from" in log and f"actor TP=2 PP=1 DP={granted.group(2)} SP" in log, log[-3000:]
+    last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["rollout_actor_logprob_gap_max"] < 1e-4, last
 
 
 @pytest.mark.slurm
@@ -293,6 +326,27 @@ def test_ppo_70b_script_accepted_with_its_70b_settings(env_registry: dict[str, s
     assert "#SBATCH --gpus-per-node=8" in script and "#SBATCH --nodes=32" in script
     r = run(["sbatch", "--test-only"], input=script, timeout=60)
     assert r.returncode == 0 and "to start at" in r.stderr, r.stderr
+
+
+def test_node_range_is_checked_at_every_count(tmp_path: Path, env_registry: dict[str, str]) -> None:
+    """`--nodes MIN-MAX`: Slurm may grant any count in it, so each must give a usable layout; the range
+    goes into the workers' het group and the job's own arguments leave trainer.nnodes to the allocation."""
+    base = [HPCRL, "submit", "--dry-run", "configs/grpo_tiny.yaml", f"trainer.run_dir={tmp_path}/r"]
+    ok = run([*base, "--nodes", "1-2"], env=env_registry)
+    assert ok.returncode == 0, ok.stderr
+    script, job_args = ok.stdout.split("\n# the batch step")
+    assert script.split("#SBATCH hetjob")[1].count("#SBATCH --nodes=1-2") == 1 and "trainer.nnodes" not in job_args
+    # 3 nodes x 4 workers at TP=2: DP=6 does not divide the mini-batch of 16
+    bad = run([*base, "--nodes", "1-3"], env=env_registry)
+    assert bad.returncode == 2, bad.stderr
+    assert ("--nodes 1-3: Slurm may grant any count in the range, and the layout cannot use 3 node(s) (at 3: "
+            "actor.ppo_mini_batch_size=16") in bad.stderr and "Counts that work: 1, 2." in bad.stderr, bad.stderr
+    for arg, why in (("3-1", "the range's end is below its start"), ("two", "give a node count (4) or a range")):
+        r = run([*base, "--nodes", arg], env=env_registry)
+        assert r.returncode == 2 and why in r.stderr, r.stderr
+    r = run([*base, "--nodes", "1-2", "trainer.nnodes=2"], env=env_registry)
+    assert r.returncode == 2 and "leave trainer.nnodes out" in r.stderr, r.stderr
+    assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.slurm
@@ -404,7 +458,7 @@ def test_job_registry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     jobs.register_job("7", "/x")  # best effort: warns, never raises
 
 
-def test_allocation_decides_the_worker_layout(tmp_path: Path) -> None:
+def test_allocation_decides_the_worker_layout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """slurm_entry's config handling against a hetjob's environment (values as Slurm sets them)."""
     from hpcrl.config import ConfigError
     from hpcrl.launch.allocation import AllocationError, resolve_config_args
@@ -413,6 +467,13 @@ def test_allocation_decides_the_worker_layout(tmp_path: Path) -> None:
            "SLURM_NTASKS_HET_GROUP_0": "1"}
     args, cfg = resolve_config_args("configs/grpo_tiny.yaml", ["trainer.experiment=e x"], env, cwd=str(REPO))
     assert (cfg.trainer.nnodes, cfg.trainer.workers_per_node) == (2, 2)
+    # what Slurm granted and the DP it gives, in the job's log
+    assert "[hpcrl slurm] granted 2 worker node(s) x 2 task(s): actor TP=2 PP=1 DP=2" in capsys.readouterr().err
+    # a group given as a node range (--nodes=1-3) has no task count, only its tasks per node (Slurm 22.05)
+    ranged = {k: v for k, v in env.items() if k != "SLURM_NTASKS_HET_GROUP_1"}
+    _, by_range = resolve_config_args("configs/grpo_tiny.yaml", [],
+                                      {**ranged, "SLURM_TASKS_PER_NODE_HET_GROUP_1": "2(x2)"})
+    assert (by_range.trainer.nnodes, by_range.trainer.workers_per_node) == (2, 2)
     assert cfg.trainer.run_dir == str(REPO / "runs" / "hpcrl" / "e x")  # relative -> pinned to the submit dir
     assert args[:2] == ["configs/grpo_tiny.yaml", "trainer.experiment=e x"]
     with pytest.raises(ConfigError, match="trainer.nnodes=3"):

@@ -70,14 +70,24 @@ def token_weights(response_masks: list[torch.Tensor], mode: str) -> list[torch.T
 
 
 def truncated_is_weights(old_logprob: torch.Tensor, rollout_logprob: torch.Tensor, mask: torch.Tensor,
-                         cap: float) -> tuple[torch.Tensor, dict[str, float]]:
-    """Truncated importance sampling (TIS) for samples drawn by the rollout engine's policy: per token
-    w = min(pi_old / pi_rollout, cap) = min(exp(old_logprob - rollout_logprob), cap), 0 outside
-    `mask`; each token's policy loss is multiplied by it. Metrics over the masked tokens: the weights'
-    mean, the largest ratio before truncation, the share truncated (Yao et al. 2025)."""
+                         cap: float, mode: str = "tis") -> tuple[torch.Tensor, dict[str, float]]:
+    """Importance weights for samples drawn by the rollout engine's policy (the behaviour policy),
+    with the trainer's recomputed log-probs as the proximal policy: the decoupled PPO objective
+    (Hilton et al. 2022; AReaL) is the clipped surrogate against the proximal policy, each token's
+    term multiplied by this weight. Per token, with ratio = pi_old / pi_rollout
+    = exp(old_logprob - rollout_logprob), 0 outside `mask`:
+
+      tis (truncated, Yao et al. 2025): w = min(ratio, cap)
+      mis (masked, AReaL's behaviour-weight cap): w = ratio where ratio <= cap, else 0 (the token
+          still counts in the loss's normalisation, it just teaches nothing)
+
+    Metrics over the masked tokens: the weights' mean, the largest ratio, the share above the cap."""
+    if mode not in ("tis", "mis"):
+        raise ValueError(f"importance weights: mode {mode!r}, expected tis or mis")
     m = mask.bool()
     ratio = torch.exp(old_logprob.double() - rollout_logprob.double())
-    weights = torch.where(m, ratio.clamp(max=cap), torch.zeros_like(ratio)).float()
+    kept = ratio.clamp(max=cap) if mode == "tis" else torch.where(ratio <= cap, ratio, torch.zeros_like(ratio))
+    weights = torch.where(m, kept, torch.zeros_like(ratio)).float()
     r = ratio[m]
     return weights, {"rollout_is/weight_mean": float(weights[m].mean()) if r.numel() else 1.0,
                      "rollout_is/ratio_max": float(r.max()) if r.numel() else 1.0,

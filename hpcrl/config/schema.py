@@ -315,12 +315,13 @@ class AlgorithmConfig:
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0  # the penalty at the limit (a linear ramp from 0 over the buffer)
     # Correction for samples drawn by another policy than the trainer's old one (the rollout of
-    # one-step-off training ran weights a step older; bf16 kernels differ): none | tis (truncated
-    # importance sampling: each token's policy loss is weighted by min(exp(old - rollout), cap), with
-    # the old log-probs recomputed by the trainer; Yao et al. 2025, "Your efficient RL framework
-    # secretly brings you off-policy RL training").
+    # one-step-off training ran weights a step older; bf16 kernels differ): the decoupled PPO objective,
+    # the clipped ratio against the old log-probs recomputed by the trainer (the proximal policy), each
+    # token's term weighted by w of ratio = exp(old - rollout): none | tis (truncated importance
+    # sampling, w = min(ratio, cap); Yao et al. 2025, "Your efficient RL framework secretly brings you
+    # off-policy RL training") | mis (masked: w = ratio up to the cap, 0 above it; AReaL).
     rollout_correction: str = "none"
-    rollout_is_cap: float = 2.0  # tis: the cap of the per-token weight
+    rollout_is_cap: float = 2.0  # tis, mis: the cap of the per-token weight
     dpo: DPOConfig = field(default_factory=DPOConfig)
 
 

@@ -49,7 +49,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "slurm.mpi": ("pmi2", "pmix"),
     "checkpoint.on_save_error": ("stop", "continue"),
     "trainer.placement": ("colocated", "split"),
-    "algorithm.rollout_correction": ("none", "tis"),
+    "algorithm.rollout_correction": ("none", "tis", "mis"),
     "actor.recompute": ("none", "selective", "full"),
     "critic.recompute": ("none", "selective", "full"),
 }
@@ -434,7 +434,8 @@ def config_warnings(cfg: DictConfig) -> list[str]:
     if r.min_new_tokens > 0:  # vLLM masks the end-of-sequence token(s) until then: measured 1.7e-3 nats a
         cut.append(f"rollout.min_new_tokens={r.min_new_tokens}")  # token on the tiny model (p(EOS) ~ 1/512)
     uses = [k for k, on in (("actor.old_logprob=rollout", a.old_logprob == "rollout"),
-                            ("algorithm.rollout_correction=tis", cfg.algorithm.rollout_correction == "tis")) if on]
+                            (f"algorithm.rollout_correction={cfg.algorithm.rollout_correction}",
+                             cfg.algorithm.rollout_correction != "none")) if on]
     if cut and uses:
         out.append(f"{' and '.join(cut)} with {' and '.join(uses)}: vLLM's log-probs are renormalised over the "
                    "tokens the cut keeps, the trainer's are over the whole vocabulary, so the ratio between them "
@@ -445,8 +446,9 @@ def config_warnings(cfg: DictConfig) -> list[str]:
 
 
 def _check_rollout_correction(cfg: DictConfig, problems: list[str]) -> None:
-    if cfg.algorithm.rollout_correction == "tis" and cfg.actor.old_logprob == "rollout":
-        problems.append("algorithm.rollout_correction=tis: with actor.old_logprob=rollout the old log-probs are the "
+    fix = cfg.algorithm.rollout_correction
+    if fix != "none" and cfg.actor.old_logprob == "rollout":
+        problems.append(f"algorithm.rollout_correction={fix}: with actor.old_logprob=rollout the old log-probs are the "
                         "rollout's own and every weight is 1. Use actor.old_logprob=auto or recompute.")
 
 

@@ -67,6 +67,21 @@ def override(key: str, value: Any) -> str:
     return f"{key}={json.dumps(value)}"
 
 
+def _group_tasks(env: Mapping[str, str], group: int) -> int:
+    """Tasks of a het group. A group given as a node range (`--nodes=2-4 --ntasks-per-node=W`) has no
+    SLURM_NTASKS_HET_GROUP_<g> (Slurm 22.05, measured): its tasks per node then come as
+    SLURM_TASKS_PER_NODE_HET_GROUP_<g>, e.g. `2(x3)` or `2(x2),1`."""
+    if f"SLURM_NTASKS_HET_GROUP_{group}" in env:
+        return int(env[f"SLURM_NTASKS_HET_GROUP_{group}"])
+    total = 0
+    for part in env[f"SLURM_TASKS_PER_NODE_HET_GROUP_{group}"].split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            raise ValueError(f"SLURM_TASKS_PER_NODE_HET_GROUP_{group}={part!r}")
+        total += int(m.group(1)) * int(m.group(2) or 1)
+    return total
+
+
 def het_worker_shape(env: Mapping[str, str]) -> tuple[int, int, int]:
     """(worker nodes, tasks per node, of those nodes the rollout ones) of the hetjob: group 1 the workers,
     or with a third group (the split placement) group 1 the trainer nodes and group 2 the rollout nodes;
@@ -85,7 +100,7 @@ def het_worker_shape(env: Mapping[str, str]) -> tuple[int, int, int]:
     for group in range(1, int(size)):
         try:
             nodes = int(env[f"SLURM_JOB_NUM_NODES_HET_GROUP_{group}"])
-            tasks = int(env[f"SLURM_NTASKS_HET_GROUP_{group}"])
+            tasks = _group_tasks(env, group)
         except (KeyError, ValueError) as e:
             raise AllocationError(f"cannot read het group {group}'s size from the environment: {e}") from None
         if nodes <= 0 or tasks % nodes:
@@ -142,6 +157,12 @@ def resolve_config_args(config: str, overrides: Sequence[str], env: Mapping[str,
     final = [*overrides, *extra]
     cfg = load_config(config, final)
     preflight(cfg, check_paths=check_paths)
+    from hpcrl.config.derived import role_layouts
+
+    # what Slurm granted and the DP it gives (with `--nodes MIN-MAX` the count is Slurm's choice)
+    layouts = ", ".join(f"{role} {layout}" for role, layout in role_layouts(cfg).items())
+    print(f"[hpcrl slurm] granted {nodes} worker node(s) x {per_node} task(s): {layouts}", file=sys.stderr,
+          flush=True)
     return [config, *final], cfg
 
 
@@ -300,6 +321,10 @@ def launch(target: str, program_args: Sequence[str], *, config_args: bool = True
     if cfg is None or cfg.slurm.mpi == "pmi2":
         run_env = srun_env(run_env)  # MPICH's netmod for Slurm's pmi2 (why: hpcrl/launch/commands.py)
     run_env.setdefault("PYTHONUNBUFFERED", "1")  # ranks' lines reach the job log as they happen
+    for group in range(1, int(base_env.get("SLURM_HET_SIZE", "2"))):
+        # a group allocated as a node range has no task count, and srun would then start one task for
+        # the whole group ("can't run 1 processes on 2 nodes"; Slurm 22.05, measured): give it the count
+        run_env.setdefault(f"SLURM_NTASKS_HET_GROUP_{group}", str(_group_tasks(base_env, group)))
     remove_stale_segments_on_every_node(base_env, run_env, python or sys.executable)
     cmd = srun_het_command(entry_argv(target, args, python=python), extra=srun_extra,
                            groups=int(base_env.get("SLURM_HET_SIZE", "2")))

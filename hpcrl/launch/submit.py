@@ -146,7 +146,8 @@ class SubmitRequest:
 
     config: str
     overrides: list[str] = field(default_factory=list)
-    nodes: int | None = None
+    # worker nodes: a count, or "MIN-MAX" (Slurm grants what it can in the range; DP follows)
+    nodes: int | str | None = None
     gpus_per_node: int | None = None
     partition: str | None = None
     time: str | None = None
@@ -175,6 +176,44 @@ class Submission:
     submission_file: str | None = None
 
 
+def parse_nodes(nodes: int | str | None, problems: list[str]) -> tuple[int | None, int | None]:
+    """--nodes N or MIN-MAX as (min, max); (None, None) when not given. Problems are appended."""
+    if nodes is None:
+        return None, None
+    text = str(nodes).strip()
+    m = re.fullmatch(r"(\d+)(?:-(\d+))?", text)
+    if not m:
+        problems.append(f"--nodes {text}: give a node count (4) or a range (2-4)")
+        return None, None
+    lo = int(m.group(1))
+    hi = int(m.group(2)) if m.group(2) else lo
+    if lo < 1 or hi < lo:
+        problems.append(f"--nodes {text}: must be at least 1" if lo < 1 else
+                        f"--nodes {text}: the range's end is below its start")
+        return None, None
+    return lo, hi
+
+
+def _check_node_range(req: SubmitRequest, overrides: list[str], lo: int, hi: int) -> None:
+    """Refuse a range with a node count the layout cannot use (Slurm may grant any of them), naming the
+    counts that work."""
+    from hpcrl.config import ConfigError, load_config
+    from hpcrl.config.validate import value_problems
+
+    bad: dict[int, str] = {}
+    for n in range(lo, hi + 1):
+        found = value_problems(load_config(req.config, [*overrides, f"trainer.nnodes={n}"]))
+        if found:
+            bad[n] = found[0]
+    if bad:
+        good = [n for n in range(lo, hi + 1) if n not in bad]
+        n, why = next(iter(bad.items()))
+        raise ConfigError([f"--nodes {lo}-{hi}: Slurm may grant any count in the range, and the layout cannot use "
+                           f"{', '.join(map(str, bad))} node(s) (at {n}: {why}) "
+                           + (f"Counts that work: {', '.join(map(str, good))}." if good else
+                              "No count in the range works.")])
+
+
 def _absolute_target(target: str) -> str:
     path, sep, func = target.partition(":")
     if path.endswith(".py"):
@@ -194,10 +233,12 @@ def prepare(req: SubmitRequest, cwd: str | None = None) -> Submission:
     cfg = load_config(req.config, req.overrides)  # first pass: what does the config say?
     extra: list[str] = []
     problems: list[str] = []
-    if req.nodes is not None:
-        if req.nodes < 1:
-            problems.append(f"--nodes {req.nodes}: must be at least 1")
-        extra.append(f"trainer.nnodes={req.nodes}")
+    lo, hi = parse_nodes(req.nodes, problems)
+    if lo is not None and lo == hi:
+        extra.append(f"trainer.nnodes={lo}")
+    elif lo is not None and any(o.split("=", 1)[0].strip() == "trainer.nnodes" for o in req.overrides):
+        problems.append(f"--nodes {req.nodes} with a trainer.nnodes override: the job takes its node count from "
+                        "what Slurm grants; leave trainer.nnodes out")
     if req.gpus_per_node is not None:
         if req.gpus_per_node < 0:
             problems.append(f"--gpus-per-node {req.gpus_per_node}: must be 0 or more")
@@ -210,7 +251,10 @@ def prepare(req: SubmitRequest, cwd: str | None = None) -> Submission:
         if req.rollout_nodes < 1:
             problems.append(f"--rollout-nodes {req.rollout_nodes}: must be at least 1")
         per_node = gpus if gpus and gpus > 0 else cfg.trainer.workers_per_node
-        trainer_nodes = req.nodes if req.nodes is not None else cfg.trainer.nnodes
+        if lo != hi:
+            problems.append(f"--nodes {req.nodes} with --rollout-nodes: a range is for the colocated placement; "
+                            "give the trainer's node count")
+        trainer_nodes = lo if lo is not None else cfg.trainer.nnodes
         extra += [f"trainer.nnodes={trainer_nodes + rollout_nodes}", "trainer.placement=split",
                   f"trainer.rollout_workers={rollout_nodes * per_node}"]
     if req.partition is not None:
@@ -227,7 +271,13 @@ def prepare(req: SubmitRequest, cwd: str | None = None) -> Submission:
         run_dir = os.path.abspath(os.path.join(cwd, run_dir))
         extra.append(override("trainer.run_dir", run_dir))
     final = [*req.overrides, *extra]
-    cfg = load_config(req.config, final)
+    if lo != hi:
+        # the job learns its node count from the allocation (hpcrl.launch.allocation); here every count
+        # Slurm may grant must give a usable layout, and the run is checked at the smallest
+        _check_node_range(req, final, lo, hi)
+        cfg = load_config(req.config, [*final, f"trainer.nnodes={lo}"])
+    else:
+        cfg = load_config(req.config, final)
     preflight(cfg, check_paths=req.check_paths)
 
     s = cfg.slurm
@@ -251,7 +301,8 @@ def prepare(req: SubmitRequest, cwd: str | None = None) -> Submission:
     job_name = safe_job_name(str(cfg.trainer.experiment))
     pattern_dir = slurm_filename_escape(folder)
     common = {"partition": s.partition, "account": s.account, "qos": s.qos}
-    workers = {**common, "nodes": cfg.trainer.nnodes - rollout_nodes, "ntasks-per-node": cfg.trainer.workers_per_node,
+    worker_nodes = f"{lo}-{hi}" if lo != hi else cfg.trainer.nnodes - rollout_nodes
+    workers = {**common, "nodes": worker_nodes, "ntasks-per-node": cfg.trainer.workers_per_node,
                "cpus-per-task": s.cpus_per_worker, "mem": s.mem_per_node,
                "gpus-per-node": s.gpus_per_node or None, "constraint": s.constraint, **extra_opts}
     additional: dict[str, Any] = {

@@ -3,28 +3,30 @@
 - `shape.py`: a model's shape from its HF config.json (Llama, Qwen2, Qwen3, Qwen3-MoE: total and
   active parameters), and the parameters each layout puts on one device (Megatron's TP x PP (x EP)
   shard of a pipeline stage, vLLM's rollout-TP shard).
+- `activations.py`: the token and activation arithmetic: the tokens of a micro-batch, the
+  activations of one layer by region, with context parallel, sequence parallel and recompute
+  (`role_layer_activations`), the logits, vLLM's activation reserve and default CPU KV cache.
 - `memory.py`: the bytes of one worker (one GPU, or one CPU worker process) in each phase of a step
-  (rollout, reshard, forward, updates, optimizer step), term by term; with the split placement, of
-  a trainer worker and of a rollout worker apart; the activations of one layer by region, with
-  context parallel, sequence parallel and recompute (`role_layer_activations`); no torch, no vLLM.
+  (rollout, reshard, forward, updates, optimizer step), term by term, from those and the roles'
+  weights and optimizer state; with the split placement, of a trainer worker and of a rollout
+  worker apart; no torch, no vLLM.
 - `moe.py`: an MoE model's terms: the experts on one GPU under expert parallel (EP ranks carved from
   DP x CP, expert TP = TP), their optimizer state cut over the expert-DP ranks, the all-to-all token
   dispatcher's buffers; the EP checks and choices the plan and its suggestions use.
 - `report.py`: what `hpcrl plan` prints after the layouts (table, peak, verdict, what to change),
   its options (--nodes, --gpus-per-node, --gpu-mem, --model-config, --compare) and exit statuses,
   and the comparison with the peaks a run measured (metrics.jsonl).
+- `suggest.py`: what to change when a run does not fit, found by planning the config again with
+  keys changed; the largest layouts that can be placed when the config's cannot.
 """
 
-from hpcrl.plan.memory import (
-    Estimate,
+from hpcrl.plan.activations import (
     LayerActivations,
-    RoleShapes,
-    estimate,
-    estimate_rollout_worker,
     kept_activation_bytes,
     layer_activations,
     role_layer_activations,
 )
+from hpcrl.plan.memory import Estimate, RoleShapes, estimate, estimate_rollout_worker
 from hpcrl.plan.report import (
     EXIT_DOES_NOT_FIT,
     EXIT_STATUS_HELP,

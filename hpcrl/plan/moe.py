@@ -16,7 +16,7 @@ carved out of a role's DP x CP ranks, expert tensor parallel = TP, the all-to-al
   buffers (the tokens x top-k permuted hidden states into and out of the experts) and the experts'
   activations, kept for the backward and alive inside one layer.
 - `layout_problems`, `expert_parallel_choices`: what megatron refuses, and the EPs `hpcrl plan`
-  tries when a run does not fit (report.suggest).
+  tries when a run does not fit (suggest.suggest).
 - `experts_line`: the plan's `experts` line (EP layout, expert state per GPU, dispatcher buffers).
 
 Arithmetic only (no torch): the plan imports this with memory.py.
@@ -31,7 +31,8 @@ from omegaconf import DictConfig
 from hpcrl.config.derived import Layout, role_parallel
 from hpcrl.plan.shape import ModelShape, megatron_shard_params
 
-# hpcrl.plan.memory's Estimate and LayerActivations (memory.py imports this module, not the reverse)
+# hpcrl.plan.memory's Estimate and hpcrl.plan.activations' LayerActivations (both import this module,
+# not the reverse)
 Estimate = Any
 LayerActivations = Any
 

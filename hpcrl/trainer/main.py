@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from hpcrl.trainer.preemption import ignore_on_workers
 
@@ -72,10 +72,14 @@ class Checkpointer:
         # on_save_error=stop: train() ends the run when a save returns False
         self.stop_on_error = c.get("on_save_error", "stop") == "stop"
         self.failed_steps: list[int] = []
+        from hpcrl.checkpoint.compat import architecture
+
+        # what a resume checks the model against (hpcrl.checkpoint.compat), wherever the folder moves
+        self.model_architecture = architecture(cfg.model.path)
 
     def controller_state(self) -> dict[str, Any]:
         t = self.trainer
-        state = {"step": t.step, "sampler": t.sampler.state_dict()}
+        state = {"step": t.step, "sampler": t.sampler.state_dict(), "model_architecture": self.model_architecture}
         if getattr(t, "kl_ctrl", None) is not None:
             state["kl_ctrl"] = t.kl_ctrl.state_dict()
         return {**state, "metrics_cursor": self.metrics.cursor(), "saved_at": time.time()}
@@ -209,6 +213,11 @@ class Checkpointer:
         self.metrics.truncate(int(state["metrics_cursor"]))
         log.info("resumed from %s (step %d, sampler %s) in %.1f s", path, tr.step, state["sampler"],
                  time.perf_counter() - t)
+        from hpcrl.checkpoint.compat import changed_keys
+
+        changed = changed_keys(path, OmegaConf.to_container(self.cfg, resolve=True))
+        if changed:  # what the preflight allowed to change (hpcrl.checkpoint.compat), said once
+            log.info("resumed with other settings than the checkpoint's: %s", "; ".join(changed))
         return True
 
 

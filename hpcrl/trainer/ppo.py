@@ -260,9 +260,10 @@ class PPOTrainer:
         with timer("generate"):
             batch, scores, metrics = self._generate_group(rows, step, 0)
         if not self.algo.dynamic_sampling:
-            # which rows of the training set the step learnt from (a record of the data order, also
-            # across resumes)
-            return batch, rows, scores, {**metrics, "data/prompt_rows": [int(i) for i in indices]}
+            # which rows of the training set the step learnt from and the seed its samples were drawn
+            # with (a record of the data order, also across resumes and allocations)
+            return batch, rows, scores, {**metrics, "data/prompt_rows": [int(i) for i in indices],
+                                         "data/sampling_seeds": [self._seed(step, 0)]}
         kept: list[tuple[Batch, PromptRow, torch.Tensor]] = []
         spare: list[tuple[Batch, PromptRow, torch.Tensor]] = []
         rounds = 0
@@ -279,6 +280,7 @@ class PPOTrainer:
                 batch, scores, _ = self._generate_group(rows, step, rounds)
         metrics["dapo/groups_with_signal"] = float(len(kept))
         metrics["dapo/refill_rounds"] = float(rounds)
+        metrics["data/sampling_seeds"] = [self._seed(step, r) for r in range(rounds + 1)]
         parts = kept[:want] + spare[:max(want - len(kept), 0)]
         batch = pad_concat([p[0] for p in parts])
         batch["prompt_index"] = torch.arange(want).repeat_interleave(n)
@@ -320,7 +322,7 @@ class PPOTrainer:
         batch["policy_version"] = torch.full((len(batch),), item.version, dtype=torch.long)
         metrics = {**item.metrics, "rollout/policy_version": float(item.version),
                    "rollout/staleness": float(step - 1 - item.version),
-                   "data/prompt_rows": [int(i) for i in item.indices]}
+                   "data/prompt_rows": [int(i) for i in item.indices], "data/sampling_seeds": [self._seed(step, 0)]}
         return batch, [self.train_data[i] for i in item.indices], item.scores, metrics
 
     def collect_ahead(self, step: int, timer: PhaseTimer) -> dict[str, float]:
@@ -388,9 +390,9 @@ class PPOTrainer:
             metrics.update(logprob_gap(batch["rollout_logprob"], batch["old_logprob"], mask, step))
         elif old_source == "rollout":
             batch["old_logprob"] = batch["rollout_logprob"].clone()
-        if algo.rollout_correction == "tis":
+        if algo.rollout_correction != "none":  # the decoupled objective's behaviour weights (tis | mis)
             batch["is_weight"], is_metrics = truncated_is_weights(batch["old_logprob"], batch["rollout_logprob"],
-                                                                  mask, algo.rollout_is_cap)
+                                                                  mask, algo.rollout_is_cap, algo.rollout_correction)
             metrics.update(is_metrics)
         # "current" (on-policy): no old_logprob field, the update uses its own forward's, detached
         if self.reference is not None:

@@ -9,7 +9,8 @@ process or allocation starts, with the same exit 2 naming the key as the config'
     (heads, layers, experts) against the layouts, the MoE keys and the LoRA targets (attention only on
     an MoE model),
     data files and their rows (usable, and each data_source scorable by the builtin reward), the
-    adapters' folder, the resume folder, wandb installed
+    adapters' folder, the resume folder, wandb installed, and that the checkpoint the run would
+    resume from was written by a run this config can continue (hpcrl.checkpoint.compat)
 
 Why here and not in hpcrl/config: the config is plain data that imports no other hpcrl package
 (tests/test_layering.py); these checks need the engines, data, rewards and agents, which the trainer
@@ -321,6 +322,8 @@ def _check_paths(cfg: DictConfig, problems: list[str]) -> dict[str, Any] | None:
     if cfg.checkpoint.resume not in ("auto", "never") and not Path(cfg.checkpoint.resume).is_dir():
         problems.append(f"checkpoint.resume={cfg.checkpoint.resume!r}: use auto, never, or an existing "
                         "checkpoint folder.")
+    else:
+        _check_resume(cfg, problems)
     fn = cfg.reward.function
     if fn != "builtin" and ENTRY_POINT.match(fn):
         module = fn.split(":")[0]
@@ -331,6 +334,20 @@ def _check_paths(cfg: DictConfig, problems: list[str]) -> dict[str, Any] | None:
         problems.append(f"logging.wandb.mode={cfg.logging.wandb.mode!r}: wandb is not installed "
                         "(`pip install wandb`), or set logging.wandb.mode=disabled.")
     return hf
+
+
+def _check_resume(cfg: DictConfig, problems: list[str]) -> None:
+    """The checkpoint a run would resume from was written by a run this config can continue
+    (hpcrl.checkpoint.compat): refused here, before anything starts or is written."""
+    from hpcrl.checkpoint.compat import resume_problems
+    from hpcrl.checkpoint.store import CheckpointStore
+
+    how = cfg.checkpoint.resume
+    if how == "never":
+        return
+    folder = CheckpointStore(Path(cfg.checkpoint.dir)).latest_valid() if how == "auto" else Path(how)
+    if folder is not None:
+        problems += resume_problems(folder, OmegaConf.to_container(cfg, resolve=True))
 
 
 def _check_preference_rows(cfg: DictConfig, key: str, path: str, problems: list[str]) -> None:

@@ -277,7 +277,7 @@ class MegatronRole(Worker):
     def update_actor(self, batch: Batch, num_minibatches: int = 1, epochs: int = 1) -> dict[str, float]:
         """PPO-family policy update. Fields: advantages, loss_weight (from arrange_minibatches),
         old_logprob, optional ref_logprob for the KL loss, optional is_weight (a per-token weight of
-        the policy loss: the truncated importance weight of algorithm.rollout_correction=tis).
+        the policy loss: the behaviour weight of algorithm.rollout_correction=tis|mis).
         Returns mini-batch means.
 
         Without old_logprob the update is on-policy (one mini-batch, one epoch: the caller checks):
