@@ -25,7 +25,7 @@ from hpcrl.config import (
     to_yaml,
     world_size,
 )
-from hpcrl.config.derived import is_split, staleness_depth, trainer_world_size
+from hpcrl.config.derived import is_split, rollout_mode, staleness_depth, stream_staleness, trainer_world_size
 from hpcrl.plan import add_plan_arguments, cluster_for_plan, memory_plan
 from hpcrl.plan.report import worker_span
 from hpcrl.trainer.preflight import preflight, read_hf_config
@@ -66,8 +66,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
              f"{cfg.trainer.workers_per_node}, plus 1 controller rank (MPI world of {w + 1})"]
     if is_split(cfg):
         t = trainer_world_size(cfg)
+        mode = rollout_mode(cfg)
+        overlap = {"sync": "each step generates its batch, then trains (rollout.mode=sync)",
+                   "one_step_off": f"generation runs {staleness_depth(cfg)} step(s) ahead of training "
+                                   "(rollout.mode=one_step_off, rollout.max_staleness)",
+                   "fully_async": f"the engines generate without pause, each trained token at most "
+                                  f"{stream_staleness(cfg)} version(s) behind (rollout.mode=fully_async)"}[mode]
         lines.append(f"placement   split: {worker_span(1, t)} train, {worker_span(t + 1, w)} run the vLLM engines; "
-                     f"generation runs {staleness_depth(cfg)} step(s) ahead of training (rollout.max_staleness)")
+                     + overlap)
     elif not is_dpo(cfg):
         lines.append("placement   colocated: every worker trains and runs a vLLM engine, taking turns "
                      "(trainer.placement=split gives the engines workers of their own)")

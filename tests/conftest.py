@@ -113,6 +113,12 @@ SPLIT_OVERRIDES = ["trainer.placement=split", "trainer.rollout_workers=2", "algo
                    "checkpoint.save_every=4"]
 
 
+# the fully asynchronous rollout (hpcrl.trainer.stream): the engines generate 2 tokens a segment for
+# samples of 16, so most samples cross a weight update; tokens up to 2 versions behind the trainer
+FULLY_ASYNC = ["trainer.placement=split", "trainer.rollout_workers=2", "rollout.mode=fully_async",
+               "rollout.segment_tokens=2", "rollout.max_staleness=2", "algorithm.rollout_correction=tis"]
+
+
 @pytest.fixture(scope="session")
 def one_step_off(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
     """The uninterrupted one-step-off run (tests/test_train.py checks it learns, and recomputes a

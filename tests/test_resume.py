@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import (
     ARITH,
+    FULLY_ASYNC,
     HPCRL,
     REPO,
     SPLIT_OVERRIDES,
@@ -397,6 +398,24 @@ def processes() -> dict[int, bytes]:
     return out
 
 
+def stop_after(args: list[str], run_dir: Path, steps: int) -> int:
+    """Start `hpcrl run ARGS`, SIGTERM its controller once `steps` steps are done (what scancel or a
+    preemption sends; locally the controller saves at the next step boundary and exits 0); the steps
+    done at the stop."""
+    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 600
+        while steps_done(run_dir) < steps:
+            assert proc.poll() is None and time.time() < deadline, f"the run ended before step {steps}"
+            time.sleep(0.1)
+        (log,) = (run_dir / "logs").glob("rank0.*.log")  # the controller's file names its pid
+        os.kill(int(re.search(r"start pid=(\d+)", log.read_text()).group(1)), 15)
+        assert proc.wait(timeout=300) == 0
+    finally:
+        proc.kill()
+    return steps_done(run_dir)
+
+
 def test_one_step_off_run_stopped_and_resumed_trains_on_the_same_batches(one_step_off: tuple[Path, list[dict]],
                                                                          tmp_path: Path) -> None:
     """The split placement's one-step-off run, stopped by SIGTERM after a few steps (what scancel or a
@@ -407,18 +426,7 @@ def test_one_step_off_run_stopped_and_resumed_trains_on_the_same_batches(one_ste
     ref_dir, ref_steps = one_step_off
     run_dir = tmp_path / "run"
     args = [HPCRL, "run", "configs/grpo_tiny.yaml", f"trainer.run_dir={run_dir}", *TRAIN_OVERRIDES, *SPLIT_OVERRIDES]
-    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 600
-        while steps_done(run_dir) < 3:
-            assert proc.poll() is None and time.time() < deadline, "the run ended before step 3"
-            time.sleep(0.2)
-        (log,) = (run_dir / "logs").glob("rank0.*.log")  # the controller's file names its pid
-        os.kill(int(re.search(r"start pid=(\d+)", log.read_text()).group(1)), 15)
-        assert proc.wait(timeout=300) == 0
-    finally:
-        proc.kill()
-    stopped = steps_done(run_dir)
+    stopped = stop_after(args, run_dir, 3)
     assert 3 <= stopped < TRAIN_STEPS
     latest = run_dir / "checkpoints" / f"step_{stopped:08d}"
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == latest.name
@@ -452,3 +460,36 @@ def test_one_step_off_checkpoint_resumes_colocated_on_the_same_prompts(one_step_
     rows = [r for m in steps for r in m["data/prompt_rows"]]
     assert len(rows) == len(set(rows)) == 8 * TRAIN_STEPS
     assert "rollout/staleness" not in steps[-1]  # step 10 was generated colocated, after step 9's update
+
+
+def test_fully_async_run_stopped_mid_stream_resumes_each_prompt_once(grpo_reference: tuple[Path, list[dict]],
+                                                                    tmp_path: Path) -> None:
+    """rollout.mode=fully_async stopped by SIGTERM after a few steps: the checkpoint holds the stream (samples
+    in flight with their tokens, versions and log-probs, groups waiting) beside the sampler's cursor. The
+    run resumed with a tighter bound (rollout.max_staleness 2 -> 1) drops exactly the saved groups now
+    too stale, counts them and generates them again: every prompt of the run is trained once (the
+    synchronous reference's prompts)."""
+    import torch
+
+    ref_dir, ref_steps = grpo_reference
+    total = 6
+    run_dir = tmp_path / "run"
+    args = [HPCRL, "run", "configs/grpo_tiny.yaml", f"trainer.run_dir={run_dir}", *TRAIN_OVERRIDES, *FULLY_ASYNC,
+            f"trainer.total_steps={total}", "checkpoint.save_every=100"]
+    stopped = stop_after(args, run_dir, 2)
+    assert 2 <= stopped < total
+    state = torch.load(run_dir / "checkpoints" / f"step_{stopped:08d}" / "stream.pt", weights_only=True)
+    held = [g for g in state["groups"] if any(s["versions"] for s in g["samples"])]
+    assert held and state["version"] == stopped  # samples were in flight or waiting at the stop
+    # at step stopped + 1 the trainer holds version `stopped`: bound 1 drops every group with an older token
+    too_stale = [g["row"] for g in held if min(v for s in g["samples"] for v in s["versions"]) < stopped - 1]
+    steps = hpcrl_run(run_dir, *FULLY_ASYNC, f"trainer.total_steps={total}", "rollout.max_staleness=1")
+    assert f"resumed with {len(state['groups'])} group(s) of the stream" in controller_log(run_dir)
+    assert [m["step"] for m in steps] == list(range(1, total + 1))
+    assert steps[stopped]["stream/dropped_groups"] == len(too_stale), (too_stale, steps[stopped])
+    assert all(m["stream/staleness_max"] <= 1 for m in steps[stopped:])
+    print(f"fully_async resume: stopped after step {stopped}, {len(held)} group(s) held, {len(too_stale)} dropped")
+    rows = [r for m in steps for r in m["data/prompt_rows"]]
+    assert len(rows) == len(set(rows)) == 8 * total
+    # the sampler's first `total` batches (a group regenerated, or finished late, may move to a later step)
+    assert sorted(rows) == sorted(r for m in ref_steps[:total] for r in m["data/prompt_rows"])

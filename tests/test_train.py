@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HPCRL, REPO, TRAIN_STEPS, hpcrl_run, read_jsonl, run
+from conftest import FULLY_ASYNC, HPCRL, REPO, TRAIN_STEPS, hpcrl_run, read_jsonl, run
 
 # W&B offline gets a key in its environment it must never write anywhere (hpcrl.trainer.wandb_sink)
 FAKE_WANDB_KEY = "hpcrl-test-fake-wandb-key-8f3a91c2d7e4b605"
@@ -450,6 +450,59 @@ def test_one_step_off_batches_come_from_the_previous_weights(one_step_off: tuple
     assert gaps[8].max() <= 1e-5, float(gaps[8].max())
     # ... and one optimizer step later the log-probs differ far above it (measured mean 0.23, max 0.64)
     assert gaps[9].mean() > 100 * max(float(gaps[8].mean()), 1e-7), (float(gaps[9].mean()), float(gaps[8].mean()))
+
+
+def test_fully_async_samples_span_versions_with_each_tokens_own_log_probs(
+        grpo_reference: tuple[Path, list[dict]], tmp_path: Path) -> None:
+    """4 steps of rollout.mode=fully_async. The per-token versions: samples span two versions, none is
+    older than the bound, the prompts are the sampler's, each once (those of the synchronous run).
+    The behaviour log-probs: the tokens made by the trainer's current weights match its recomputed
+    log-probs, those of older weights do not (so the versions tell them apart); and from outside the
+    run, every token the checkpoints' streams hold (samples in flight or waiting, saved each step)
+    equals HF's log-prob under the checkpoint of the version recorded for it."""
+    import torch
+    from omegaconf import OmegaConf
+
+    d = tmp_path / "run"
+    steps = hpcrl_run(d, *FULLY_ASYNC, "trainer.total_steps=4", "checkpoint.save_every=1", "checkpoint.keep_last=4")
+    assert [m["step"] for m in steps] == [1, 2, 3, 4]
+    assert all(m["stream/staleness_max"] <= 2 for m in steps), [m["stream/staleness_max"] for m in steps]
+    assert max(m["stream/multi_version_share"] for m in steps) > 0, [m["stream/multi_version_share"] for m in steps]
+    # the sampler's prompts, each once (a group finished late may move to a later step)
+    rows = [r for m in steps for r in m["data/prompt_rows"]]
+    assert len(set(rows)) == len(rows) and sorted(rows) == sorted(r for m in grpo_reference[1][:4]
+                                                                   for r in m["data/prompt_rows"])
+    assert all(m["stream/gap_current_version_max"] < 1e-4 for m in steps)
+    assert steps[0]["rollout_actor_logprob_gap_max"] < 1e-4  # step 1: every token is the trainer's own
+    assert max(m["stream/gap_older_versions_mean"] for m in steps) > 1e-2
+    assert sum(m["stream/tokens_thrown_away"] + m["stream/dropped_groups"] for m in steps) == 0
+    temperature = OmegaConf.load(d / "config.yaml").rollout.temperature
+    held: dict[int, list] = {}  # version -> (ids, position, recorded log-prob) of every token it made
+    spanning = 0
+    for step in (1, 2, 3):
+        state = torch.load(d / "checkpoints" / f"step_{step:08d}" / "stream.pt", weights_only=True)
+        for g in state["groups"]:
+            for s in g["samples"]:
+                spanning += len(set(s["versions"])) > 1
+                for t, (v, lp) in enumerate(zip(s["versions"], s["logprobs"], strict=True)):
+                    held.setdefault(v, []).append((g["prompt"] + s["tokens"], len(g["prompt"]) + t, lp))
+    assert spanning > 0 and sorted(held) == [0, 1, 2], (spanning, sorted(held))
+    worst = {}
+    for v, tokens in held.items():
+        model = REPO / "models" / "tiny-qwen2"
+        if v:
+            model = tmp_path / f"v{v}"
+            r = run([HPCRL, "ckpt", "export-hf", str(d), "--step", str(v), "--out", str(model)])
+            assert r.returncode == 0, r.stderr[-3000:]
+        seqs = list({tuple(ids) for ids, _, _ in tokens})
+        width = max(map(len, seqs))
+        batch = {"input_ids": torch.tensor([list(q) + [0] * (width - len(q)) for q in seqs]),
+                 "attention_mask": torch.tensor([[1] * len(q) + [0] * (width - len(q)) for q in seqs])}
+        lp = hf_token_logprobs(model, batch, temperature)
+        row = {q: i for i, q in enumerate(seqs)}
+        worst[v] = max(abs(float(lp[row[tuple(ids)], pos]) - rec) for ids, pos, rec in tokens)
+    print("fully_async: |HF - recorded| per version:", worst, "spanning samples:", spanning)
+    assert max(worst.values()) < 1e-4, worst
 
 
 def test_long_sequence_config_runs_two_steps(tmp_path: Path) -> None:

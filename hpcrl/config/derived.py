@@ -72,11 +72,31 @@ def rollout_world_size(cfg: Any) -> int:
     return t["rollout_workers"] if is_split(cfg) else t["nnodes"] * t["workers_per_node"]
 
 
+def rollout_mode(cfg: Any) -> str:
+    """sync | one_step_off | fully_async: rollout.mode, or when null what rollout.max_staleness and the
+    placement give (one_step_off split with a bound above 0, else sync); cfg as for staleness_depth."""
+    r = cfg["rollout"]
+    if r.get("mode") is not None:
+        return str(r["mode"])
+    s = r["max_staleness"]
+    return "one_step_off" if is_split(cfg) and (s is None or int(s) > 0) else "sync"
+
+
 def staleness_depth(cfg: Any) -> int:
-    """How many steps generation runs ahead of training (rollout.max_staleness; null: 1 split, 0
-    colocated); cfg is the config or its plain-dict form."""
+    """How many steps generation runs ahead of training in batches (hpcrl.trainer.ahead):
+    rollout.max_staleness under one_step_off (null: 1), else 0; cfg is the config or its plain-dict
+    form."""
+    if rollout_mode(cfg) != "one_step_off":
+        return 0
     s = cfg["rollout"]["max_staleness"]
-    return int(s) if s is not None else (1 if is_split(cfg) else 0)
+    return int(s) if s is not None else 1
+
+
+def stream_staleness(cfg: Any) -> int:
+    """fully_async: the most weight versions a trained token may be behind the trainer
+    (rollout.max_staleness; null: 1)."""
+    s = cfg["rollout"]["max_staleness"]
+    return int(s) if s is not None else 1
 
 
 def is_dpo(cfg: Any) -> bool:

@@ -256,6 +256,22 @@ class RolloutConfig:
     # Nothing is generated for a step past trainer.total_steps. A run resumed with a smaller value than
     # its checkpoint's batches were generated with regenerates those that would be staler (logged).
     max_staleness: int | None = None
+    # How generation and training overlap: sync (a step generates its batch, then trains on it) |
+    # one_step_off (split placement: rollout.max_staleness batches generated ahead, hpcrl.trainer.ahead)
+    # | fully_async (split placement: the engines generate without waiting for steps, in segments of
+    # rollout.segment_tokens; the trainer takes a batch of finished groups as soon as there are
+    # enough, and rollout.max_staleness bounds how many weight versions behind the trainer any token of
+    # a trained sample may be: hpcrl.trainer.stream). null: one_step_off with the split placement (sync
+    # with max_staleness 0), sync colocated.
+    mode: str | None = None
+    # fully_async: at each weight update the samples being generated keep their tokens so far (each
+    # token's log-prob and policy version recorded) and go on from them with the new weights (true); or
+    # start again from their prompts (false, the tokens are thrown away). null: true.
+    partial_rollout: bool | None = None
+    # fully_async: the most tokens a sample gets per engine call; new weights load between calls, so
+    # this bounds how long an update waits for the engines (and how finely a sample's tokens can span
+    # versions)
+    segment_tokens: int = 32
     # MoE models (routing replay, "R3"): vLLM's engines record the experts every token was routed to,
     # and the actor's forwards (old log-probs and the update) use those experts instead of routing
     # again, so both sides compute each token with the same experts.

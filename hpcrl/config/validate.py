@@ -19,14 +19,15 @@ from hpcrl.config.derived import (
     kl_loss_active,
     reference_enabled,
     role_parallel,
+    rollout_mode,
     rollout_world_size,
-    staleness_depth,
     token_multiple,
     trainer_world_size,
     world_size,
 )
 from hpcrl.config.loader import ConfigError
 
+ROLLOUT_MODES = ("sync", "one_step_off", "fully_async")
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("auto", "fp32", "bf16"),
     "model.local_attention": ("per_sequence", "dense"),
@@ -135,6 +136,7 @@ RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     "trainer.max_nonfinite_steps": (0, None, True),
     "trainer.rollout_workers": (0, None, True),
     "rollout.max_staleness": (0, None, True),
+    "rollout.segment_tokens": (1, None, True),
     "algorithm.rollout_is_cap": (1, None, True),
     "checkpoint.save_every": (0, None, True),
     "logging.log_every": (1, None, True),
@@ -178,6 +180,9 @@ def _non_finite(node: Any, prefix: str = "") -> list[str]:
 def _check_choices_and_ranges(cfg: DictConfig, problems: list[str]) -> None:
     for key in _non_finite(cfg):
         problems.append(f"{key}={dotted_value(cfg, key)}: must be a finite number.")
+    mode = cfg.rollout.mode
+    if mode is not None and mode not in ROLLOUT_MODES:
+        problems.append(f"rollout.mode={mode!r}: not one of {', '.join(ROLLOUT_MODES)} (or null).")
     for key, allowed in CHOICES.items():
         value = dotted_value(cfg, key)
         if value not in allowed:
@@ -362,11 +367,12 @@ def _check_placement(cfg: DictConfig, problems: list[str]) -> bool:
     """Split placement and asynchronous rollout; False when the worker counts make the layout checks
     meaningless."""
     t, staleness = cfg.trainer, cfg.rollout.max_staleness
+    _check_rollout_mode(cfg, problems)
     if not is_split(cfg):
         if t.rollout_workers:
             problems.append(f"trainer.rollout_workers={t.rollout_workers}: only for trainer.placement=split (the "
                             "colocated placement runs an engine on every worker). Set the placement or remove it.")
-        if staleness:
+        if staleness and cfg.rollout.mode is None:
             problems.append(f"rollout.max_staleness={staleness}: generation can only run ahead of training when the "
                             "engines have workers of their own; set trainer.placement=split and "
                             "trainer.rollout_workers, or leave it null.")
@@ -378,7 +384,8 @@ def _check_placement(cfg: DictConfig, problems: list[str]) -> bool:
         return False
     if is_dpo(cfg):
         problems.append("trainer.placement=split: algorithm.name=dpo has no rollout; use the colocated placement.")
-    if staleness_depth(cfg) > 0:
+    mode = rollout_mode(cfg)
+    if mode != "sync":
         # these make several generation rounds per step, each depending on the last one's results
         for key, on, why in (("algorithm.dynamic_sampling", cfg.algorithm.dynamic_sampling,
                               "refills a batch from what its rewards were"),
@@ -388,9 +395,41 @@ def _check_placement(cfg: DictConfig, problems: list[str]) -> bool:
                               "the multi-turn loop drives the engines turn by turn")):
             if on:
                 problems.append(f"{key}={dotted_value(cfg, key)}: not with generation ahead of training "
-                                f"(rollout.max_staleness={staleness_depth(cfg)}): it {why}. Set "
-                                "rollout.max_staleness=0 to use it with the split placement.")
+                                f"(rollout.mode={mode}): it {why}. Set rollout.mode=sync to use it with the "
+                                "split placement.")
     return True
+
+
+def _check_rollout_mode(cfg: DictConfig, problems: list[str]) -> None:
+    """rollout.mode against the placement and rollout.max_staleness / partial_rollout (rollout_mode
+    derives the mode when it is null)."""
+    r = cfg.rollout
+    mode, staleness = r.mode, r.max_staleness
+    if mode in ("one_step_off", "fully_async") and not is_split(cfg):
+        problems.append(f"rollout.mode={mode}: generation can only run beside training when the engines have "
+                        "workers of their own; set trainer.placement=split and trainer.rollout_workers, or use "
+                        "rollout.mode=sync.")
+    if mode == "sync" and staleness:
+        problems.append(f"rollout.max_staleness={staleness}: rollout.mode=sync generates each step's batch with the "
+                        "current weights; set it to 0 or null, or use rollout.mode=one_step_off.")
+    if mode == "one_step_off" and staleness == 0:
+        problems.append("rollout.max_staleness=0: rollout.mode=one_step_off generates at least 1 step ahead; set it "
+                        "to 1 or more (null: 1), or use rollout.mode=sync.")
+    if r.partial_rollout is not None and rollout_mode(cfg) != "fully_async":
+        problems.append(f"rollout.partial_rollout={r.partial_rollout}: only with rollout.mode=fully_async (samples "
+                        "in flight across a weight update); remove it or set the mode.")
+    if mode != "fully_async":
+        return
+    if staleness == 0:
+        problems.append("rollout.max_staleness=0: rollout.mode=fully_async trains tokens made while the trainer "
+                        "updated, a version behind at least; set it to 1 or more (null: 1), or use rollout.mode=sync.")
+    for key, on, why in (("rollout.routing_replay", r.routing_replay, "the experts of a sample's segments are not "
+                          "joined yet"),
+                         ("rollout.stop", bool(r.stop), "a stop string across two segments would not be seen"),
+                         ("rollout.min_new_tokens", r.min_new_tokens > 0, "each segment would count it again")):
+        if on:
+            problems.append(f"{key}={dotted_value(cfg, key)}: not with rollout.mode=fully_async yet: {why}. Use "
+                            "rollout.mode=one_step_off.")
 
 
 def _check_rl_switches(cfg: DictConfig, problems: list[str]) -> None:

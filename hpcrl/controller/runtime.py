@@ -135,6 +135,11 @@ class ControllerRuntime:
         self.liveness = Liveness(world, heartbeat_interval_s, heartbeat_timeout_s, self._on_lost)
         self.closed = False
         self.faults = FaultInjector(world.rank)  # HPCRL_FAULT, for the fault tests (hpcrl/launch/faults.py)
+        # called while a blocking call waits and no message moved: keeps other work going meanwhile (the
+        # fully asynchronous rollout starts the engines' next segment here while the trainer computes,
+        # hpcrl.trainer.stream). It must not block; it may start calls and poll futures.
+        self.idle: Callable[[], None] | None = None
+        self._in_idle = False
 
     # -- liveness -------------------------------------------------------------------------
     def _on_lost(self, rank: int, silent_s: float) -> None:
@@ -376,6 +381,12 @@ class ControllerRuntime:
                 continue
             if deadline is not None and time.monotonic() > deadline:
                 raise CallTimeout(f"{call.what} (call {call.id}) not done after {timeout} s")
+            if self.idle is not None and not self._in_idle:
+                self._in_idle = True
+                try:
+                    self.idle()
+                finally:
+                    self._in_idle = False
             backoff.pause(self._hot())
 
     def drain(self) -> None:

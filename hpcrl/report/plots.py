@@ -171,4 +171,30 @@ def plot_run(run_dir: Path | str, out_dir: Path | str | None = None) -> list[Pat
     written.append(_finish(fig, ax, f"{name}: peak memory per rank", "GB", drew, out / "memory.png",
                            "no memory/* metrics recorded"))
     plt.close(fig)
+    if any(k.startswith("stream/") for k in keys):  # rollout.mode=fully_async (hpcrl.trainer.stream)
+        written.append(_stream_plot(plt, steps, name, out / "stream.png"))
     return written
+
+
+def _stream_plot(plt: Any, steps: list[dict[str, Any]], name: str, path: Path) -> Path:
+    """The fully asynchronous rollout per step: how many versions behind the trained samples were, the
+    share spanning versions, the engines' idle share; what was thrown away on a second axis."""
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    drew = False
+    for key, label in (("stream/staleness_mean", "staleness (mean, versions)"),
+                       ("stream/staleness_max", "staleness (max, versions)"),
+                       ("stream/multi_version_share", "samples spanning versions (share)"),
+                       ("stream/older_version_token_share", "tokens of older versions (share)"),
+                       ("stream/engine_idle_frac", "engines idle (share of the step)")):
+        drew |= _line(ax, steps, key, label)
+    twin = ax.twinx()
+    for key, label in (("stream/tokens_thrown_away", "tokens thrown away"),
+                       ("stream/dropped_groups", "groups dropped (too stale)")):
+        xs, ys = _series(steps, key)
+        if xs:
+            twin.plot(xs, ys, linestyle=":", marker=".", label=label)
+    twin.set_ylabel("count")
+    path = _finish(fig, ax, f"{name}: fully asynchronous rollout", "versions / share", drew, path,
+                   "no stream/* metrics recorded", twin)
+    plt.close(fig)
+    return path

@@ -43,7 +43,7 @@ from hpcrl.algos.kl_control import make_kl_controller
 from hpcrl.algos.losses import kl_estimate, truncated_is_weights
 from hpcrl.algos.sampling import groups_with_signal, overlong_penalty
 from hpcrl.config import critic_enabled, reference_enabled
-from hpcrl.config.derived import staleness_depth
+from hpcrl.config.derived import rollout_mode, staleness_depth
 from hpcrl.controller import WorkerGroup
 from hpcrl.controller.batch import Batch
 from hpcrl.data import PromptDataset, PromptRow, ShuffledSampler, iterate_batches
@@ -149,6 +149,13 @@ class PPOTrainer:
                                             name="reward_model")
         # batches generated ahead of their step (split placement, rollout.max_staleness > 0)
         self.ahead = RolloutsAhead(staleness_depth(cfg))
+        # the engines generating without pause (rollout.mode=fully_async): hpcrl.trainer.stream
+        self.stream = None
+        if rollout_mode(cfg) == "fully_async":
+            from hpcrl.trainer.stream import make_stream
+
+            self.stream = make_stream(cfg, self.plain["rollout"], self.placement.rollout, lambda: [
+                (int(i), self.train_data[i].prompt_ids) for i in self.sampler.next_batch()])
         self.dp_size = self.actor.layout.dp_size
         where = self.actor.describe()
         layout = (f"TP={where['tp']} PP={where['pp']}" + (f" CP={where['cp']}" if where["cp"] > 1 else "")
@@ -188,7 +195,7 @@ class PPOTrainer:
         on_policy = samples // a.ppo_mini_batch_size == 1 and a.ppo_epochs == 1
         # a batch generated ahead came from older weights than the trainer's, and the truncated
         # importance weights compare the trainer's old log-probs with the rollout's
-        stale = self.ahead.depth > 0 or self.algo.rollout_correction != "none"
+        stale = self.ahead.depth > 0 or self.stream is not None or self.algo.rollout_correction != "none"
         return "current" if on_policy and not self.algo.use_kl_in_reward and not stale else "recompute"
 
     def _shuffle_seed(self, step: int, role: str) -> int | None:
@@ -335,15 +342,45 @@ class PPOTrainer:
         with timer(self.placement.sync_phase):
             return self.placement.to_rollout(step)
 
+    def rollout_stream(self, step: int, timer: PhaseTimer) -> tuple[Batch, list[PromptRow], torch.Tensor,
+                                                                    dict[str, float]]:
+        """This step's batch from the fully asynchronous stream (hpcrl.trainer.stream): the first
+        data.train_batch_size finished groups, generated meanwhile; the trainer waits (time/generate)
+        only when fewer are ready."""
+        from hpcrl.trainer.stream import batch_of
+
+        with timer("batch_wait"):  # the trainer idle until enough groups have finished
+            groups = self.stream.next_batch(step - 1)
+        batch, metrics = batch_of(groups, step - 1)
+        rows = [self.train_data[g.row] for g in groups]
+        with timer("reward"):
+            scores, reward_metrics = self.score(Sampled(batch), rows, self.cfg.rollout.n,
+                                                self.cfg.rollout.max_new_tokens)
+        return batch, rows, scores, {**reward_metrics, **metrics, "data/prompt_rows": [g.row for g in groups]}
+
+    def collect_stream(self, step: int, timer: PhaseTimer) -> dict[str, float]:
+        """After the update: the segment in flight finishes, the new weights go to the engines."""
+        with timer("generate_wait"):
+            self.stream.settle()
+        with timer(self.placement.sync_phase):
+            metrics = self.placement.to_rollout(step)
+        self.stream.stream.new_weights(step)
+        return {**metrics, **self.stream.step_metrics()}
+
     def save_controller_files(self, folder: Path) -> list[dict[str, Any]]:
-        """The batches generated ahead, into a checkpoint folder (records for its manifest)."""
+        """The batches generated ahead or the stream, into a checkpoint folder (records for its manifest)."""
+        if self.stream is not None:
+            return self.stream.save(folder)
         return self.ahead.save(folder) if self.ahead.queue else []
 
     def controller_files_nbytes(self) -> int:
         """Bytes `save_controller_files` writes (the checkpoint's disk-space check counts them)."""
-        return self.ahead.nbytes()
+        return self.stream.nbytes() if self.stream is not None else self.ahead.nbytes()
 
     def load_controller_files(self, folder: Path) -> None:
+        if self.stream is not None:
+            self.stream.load(folder)
+            return
         self.ahead.load(folder)
         if self.ahead.queue:
             log.info("resumed with %d batch(es) generated ahead, for step(s) %s", len(self.ahead.queue),
@@ -360,7 +397,9 @@ class PPOTrainer:
         if self.val_data is not None and (step - 1) % cfg.trainer.val_every == 0:
             with timer("validate"):
                 metrics.update(self.validate())
-        if self.ahead.depth or self.ahead.queue:
+        if self.stream is not None:
+            batch, rows, scores, reward_metrics = self.rollout_stream(step, timer)
+        elif self.ahead.depth or self.ahead.queue:
             batch, rows, scores, reward_metrics = self.rollout_ahead(step, timer)
         else:
             batch, rows, scores, reward_metrics = self.rollout(step, timer)
@@ -388,6 +427,10 @@ class PPOTrainer:
             with timer("old_logprob"):
                 batch["old_logprob"] = self.actor.compute_logprob(batch, response_only=True)
             metrics.update(logprob_gap(batch["rollout_logprob"], batch["old_logprob"], mask, step))
+            if "token_version" in batch.keys():  # the stream's tokens, by the weights that made them
+                from hpcrl.trainer.stream import gap_by_version
+
+                metrics.update(gap_by_version(batch, step - 1))
         elif old_source == "rollout":
             batch["old_logprob"] = batch["rollout_logprob"].clone()
         if algo.rollout_correction != "none":  # the decoupled objective's behaviour weights (tis | mis)
@@ -445,7 +488,7 @@ class PPOTrainer:
             metrics.update({"rollout_actor_logprob_gap_mean": total / max(tokens, 1.0),
                             "rollout_actor_logprob_gap_max": top})
         metrics.update({f"actor/{k}": v for k, v in out.items()})
-        metrics.update(self.collect_ahead(step, timer))
+        metrics.update(self.collect_ahead(step, timer) if self.stream is None else self.collect_stream(step, timer))
 
         # every worker process hosts an actor rank or a rollout engine (the other roles live with the actor)
         metrics.update(peak_memory_metrics(*self.placement.peak_memory()))

@@ -120,8 +120,10 @@ class RolloutMethods:
                             sampling: SamplingSettings) -> list[Completion] | None:
         """One completion per (token ids, seed, max new tokens) request of this rollout replica;
         only rollout TP rank 0 sends them back."""
+        start = time.time()
         out = (self.rollout.generate_each([r[0] for r in requests], sampling, [r[1] for r in requests],
                                           [r[2] for r in requests]) if requests else [])
+        self._spans().append([round(start, 4), round(time.time(), 4)])
         return out if self.rollout.tp_rank == 0 else None
 
     @register(dispatch=Dispatch.PER_RANK, collect=Collect.ALL)
@@ -187,9 +189,11 @@ class ActorRolloutRole(RolloutMethods, MegatronRole):
         return naive_reshard(self.engine, self.rollout).as_dict()
 
 
-def _per_rank(group: Any, items: Sequence[Any]) -> tuple[list[list[Any]], list[int], list[tuple[int, int]]]:
-    """Cut items by rollout DP rank: each worker gets its replica's contiguous slice."""
-    coords = group.rollout_coords()
+def _per_rank(group: Any, items: Sequence[Any], coords: list[tuple[int, int]] | None = None
+              ) -> tuple[list[list[Any]], list[int], list[tuple[int, int]]]:
+    """Cut items by rollout DP rank: each worker gets its replica's contiguous slice (`coords`: the
+    group's rollout_coords(), asked for when not given)."""
+    coords = coords or group.rollout_coords()
     dp_size = 1 + max(c[0] for c in coords)
     sizes = even_sizes(len(items), dp_size)
     starts = [sum(sizes[:d]) for d in range(dp_size)]
@@ -254,6 +258,30 @@ def generate_each(group: Any, requests: Sequence[Sequence[int]], sampling: Sampl
     items = [(list(map(int, r)), s, int(m)) for r, s, m in zip(requests, seeds, max_new_tokens, strict=True)]
     shards, _, coords = _per_rank(group, items)
     return _in_dp_order(group.generate_each_shard(shards, [sampling] * len(shards)), coords)
+
+
+class PendingCompletions:
+    """`generate_each` in flight: `done()` polls without blocking, `result()` waits; completions in
+    request order."""
+
+    def __init__(self, future: Any, coords: list[tuple[int, int]]):
+        self._future, self._coords = future, coords
+
+    def done(self) -> bool:
+        return bool(self._future.done())
+
+    def result(self) -> list[Completion]:
+        return _in_dp_order(self._future.result(), self._coords)
+
+
+def start_generate_each(group: Any, requests: Sequence[Sequence[int]], sampling: SamplingSettings,
+                        seeds: Sequence[int | None], max_new_tokens: Sequence[int],
+                        coords: list[tuple[int, int]] | None = None) -> PendingCompletions:
+    """`generate_each` without waiting (the fully asynchronous rollout's segments, hpcrl.trainer.stream);
+    `coords` as for `_per_rank`."""
+    items = [(list(map(int, r)), s, int(m)) for r, s, m in zip(requests, seeds, max_new_tokens, strict=True)]
+    shards, _, coords = _per_rank(group, items, coords)
+    return PendingCompletions(group.generate_each_shard.future(shards, [sampling] * len(shards)), coords)
 
 
 def rollout_logprobs(group: Any, batch: Batch) -> torch.Tensor:
