@@ -1,14 +1,19 @@
-"""Colocated vs split placement vs split one-step-off, on the same workers (not CI).
+"""Colocated vs split placement vs split one-step-off vs fully asynchronous, on the same workers (not CI).
 
     .venv/bin/python tools/bench_async.py [--config configs/grpo_smollm2.yaml] [--steps 4] [--rounds 2]
-                                          [--out bench-async] [KEY=VALUE ...]
+                                          [--modes NAME,...] [--out bench-async] [KEY=VALUE ...]
 
-Runs `hpcrl run CONFIG` in three placements of the config's workers, alternating them round by round:
+Runs `hpcrl run CONFIG` in these placements and modes of the config's workers (--modes picks some),
+alternating them round by round:
 
 - colocated: every worker trains and generates, taking turns (trainer.placement=colocated);
 - split sync: the last half of the workers generate, the first half train, one after the other
   (trainer.placement=split, rollout.max_staleness=0);
 - split one-step-off: the same split, batch k+1 generated while batch k trains (rollout.max_staleness=1).
+- split fully_async: the same split, the engines generating without pause in segments, samples in
+  flight continued across weight updates (rollout.mode=fully_async, hpcrl.trainer.stream), tokens at
+  most 2 versions behind (with 1 only one batch is in flight, and the trainer waits for its longest
+  sample as one-step-off does); and the same without partial rollout (samples in flight start again).
 
 It prints each run's median steady step (steps 2..STEPS, the first one also generates the first batch)
 with the load average and the host's steal time, then steps/s of each placement as ratios (medians over
@@ -38,13 +43,17 @@ PLACEMENTS = {
     "colocated": [],
     "split sync": ["trainer.placement=split", "rollout.max_staleness=0"],
     "split one-step-off": ["trainer.placement=split", "rollout.max_staleness=1"],
+    # the engines generating without pause (hpcrl.trainer.stream), samples continued across updates or not
+    "split fully_async": ["trainer.placement=split", "rollout.mode=fully_async", "rollout.max_staleness=2"],
+    "split fully_async no partial": ["trainer.placement=split", "rollout.mode=fully_async",
+                                     "rollout.max_staleness=2", "rollout.partial_rollout=false"],
 }
 # controller phases -> (row, colour); the rollout row of a split run is drawn from the engines' own spans
 ROWS = {"generate": ("rollout", "tab:green"), "validate": ("rollout", "tab:olive"),
         "old_logprob": ("trainer", "tab:orange"), "ref_logprob": ("trainer", "tab:brown"),
         "values": ("trainer", "tab:pink"), "update_actor": ("trainer", "tab:blue"),
         "update_critic": ("trainer", "tab:cyan"), "reshard": ("both", "tab:red"), "transfer": ("both", "tab:red"),
-        "generate_wait": ("trainer", "lightgrey")}
+        "generate_wait": ("trainer", "lightgrey"), "batch_wait": ("trainer", "lightgrey")}
 
 
 def run_once(config: str, steps: int, overrides: list[str]) -> dict:
@@ -109,6 +118,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", type=Path, default=Path("bench-async"))
+    p.add_argument("--modes", default=",".join(PLACEMENTS),
+                   help=f"comma-separated, of: {', '.join(PLACEMENTS)} (default: all)")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     from hpcrl.config import load_config
@@ -118,9 +129,14 @@ def main() -> None:
     if workers < 2:
         p.error(f"{args.config}: {workers} worker(s); the split placement needs at least 2")
     split = [f"trainer.rollout_workers={workers // 2}"]
-    results: dict[str, list[dict]] = {name: [] for name in PLACEMENTS}
+    chosen = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in chosen if m not in PLACEMENTS]
+    if unknown:
+        p.error(f"--modes: unknown {unknown}; choose from {list(PLACEMENTS)}")
+    results: dict[str, list[dict]] = {name: [] for name in chosen}
     for k in range(args.rounds):
-        for name, extra in PLACEMENTS.items():
+        for name in chosen:
+            extra = PLACEMENTS[name]
             r = run_once(args.config, args.steps, [*args.overrides, *extra, *(split if extra else [])])
             results[name].append(r)
             phases = ", ".join(f"{ph} {v:.1f}" for ph, v in r["phases"].items() if v >= 0.05)
@@ -130,9 +146,13 @@ def main() -> None:
     step = {name: statistics.median(r["step_s"] for r in rs) for name, rs in results.items()}
     print(f"\n{workers} workers ({args.config}); median steady step over {args.rounds} round(s), "
           f"steps 2..{args.steps}:")
+    samples = cfg.data.train_batch_size * cfg.rollout.n  # every step trains this many
+    base = [b for b in ("colocated", "split sync", "split one-step-off") if b in step]
     for name, s in step.items():
-        print(f"  {name:<20} {s:6.1f} s/step  {1 / s:.4f} steps/s  "
-              f"{step['colocated'] / s:.2f}x colocated  {step['split sync'] / s:.2f}x split sync")
+        tokens = statistics.median(sum(m["response_length/mean"] for m in r["records"][1:]) * samples
+                                   / sum(m["time/step"] for m in r["records"][1:]) for r in results[name])
+        print(f"  {name:<30} {s:6.1f} s/step  {1 / s:.4f} steps/s  {tokens:7.1f} trained response tokens/s  "
+              + "  ".join(f"{step[b] / s:.2f}x {b}" for b in base))
     args.out.mkdir(parents=True, exist_ok=True)
     draw({name: rs[-1]["records"][1:] for name, rs in results.items()}, args.out / "timeline.png")
     print(f"timeline: {args.out / 'timeline.png'}")
