@@ -12,7 +12,9 @@ run would silently train something else than the run it continues:
     (actor.lora.rank / alpha / target_modules: the checkpoint holds adapters or full weights);
   - the prompts and the samples: data.train_files (by file name: a data folder may move), data.seed,
     data.shuffle, data.max_prompt_length (which prompts are kept) and trainer.seed (the sampling
-    seeds of every step derive from it).
+    seeds of every step derive from it);
+  - samples the checkpoint holds: a fully_async stream resumes only fully_async with the same
+    rollout.n, batches generated ahead only without fully_async (else their prompts would be skipped).
 
 `resume_problems` runs in the preflight (`hpcrl run`, `hpcrl submit`, the Slurm launcher), so a
 refusal comes before any process or allocation starts and nothing in the run directory changes;
@@ -113,11 +115,33 @@ def resume_problems(folder: str | Path, cfg: dict[str, Any]) -> list[str]:
         shown = ", ".join(f"{k} {old.get(k)!r} -> {new.get(k)!r}" for k in keys)
         diffs.append(f"model.path: {_get(cfg, 'model.path')!r} is another model than the checkpoint's "
                      f"{_get(saved, 'model.path')!r} ({shown})")
+    diffs += _rollout_state_problems(Path(folder), saved, cfg)
     if not diffs:
         return []
     return [f"checkpoint.resume: the checkpoint {folder} was written by a run this config cannot continue: "
             + "; ".join(diffs) + ". A resumed run keeps these (its layout, allocation, placement, length and "
             "learning rate may change); to start another run, give it another trainer.run_dir."]
+
+
+def _rollout_state_problems(folder: Path, saved: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
+    """Samples a checkpoint holds that only the same kind of rollout continues: the fully asynchronous
+    stream (hpcrl.trainer.stream: groups of rollout.n samples) or the batches generated ahead
+    (hpcrl.trainer.ahead). Another mode would skip their prompts (the sampler has moved past them)."""
+    from hpcrl.config.derived import rollout_mode
+
+    mode = rollout_mode(cfg)
+    out = []
+    if (folder / "stream.pt").is_file():
+        if mode != "fully_async":
+            out.append(f"rollout.mode: the checkpoint holds the samples of a fully_async stream, {mode!r} now would "
+                       "skip their prompts (resume with rollout.mode=fully_async)")
+        elif _get(saved, "rollout.n") != _get(cfg, "rollout.n"):
+            out.append(f"rollout.n: {_get(saved, 'rollout.n')!r} in the checkpoint, {_get(cfg, 'rollout.n')!r} now "
+                       "(its stream holds groups of the former)")
+    if (folder / "rollouts_ahead.pt").is_file() and mode == "fully_async":
+        out.append("rollout.mode: the checkpoint holds batches generated ahead (one_step_off), 'fully_async' now "
+                   "would skip their prompts (resume with rollout.mode=one_step_off or sync)")
+    return out
 
 
 def changed_keys(folder: str | Path, cfg: dict[str, Any]) -> list[str]:

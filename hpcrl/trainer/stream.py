@@ -193,10 +193,10 @@ def batch_of(groups: list[Group], trainer_version: int) -> tuple[Batch, dict[str
     """The wire-format batch of taken groups (hpcrl.workers.actor_rollout's layout: sample j of group
     i in row i * n + j), with `token_version` [B, S] (-1 outside the response) and `policy_version` [B]
     (each sample's oldest token's); and the staleness metrics of its samples."""
-    from hpcrl.workers.actor_rollout import _assemble
+    from hpcrl.workers.actor_rollout import assemble_batch
 
     per_prompt = [[Completion(s.tokens, s.logprobs, s.finish or "length") for s in g.samples] for g in groups]
-    batch = _assemble([g.prompt for g in groups], per_prompt)
+    batch = assemble_batch([g.prompt for g in groups], per_prompt)
     versions = torch.full(batch["input_ids"].shape, -1, dtype=torch.long)
     oldest = []
     spanning = 0
@@ -304,13 +304,19 @@ class StreamDriver:
         """The stream into a checkpoint folder (nothing may be in flight); its file records."""
         import io
 
-        from hpcrl.checkpoint.files import file_record, write_durable
+        from hpcrl.checkpoint.files import file_record, is_no_space, write_durable
+        from hpcrl.checkpoint.store import no_space_error
 
         if self.pending is not None:
             raise RuntimeError("a checkpoint while a segment is being generated would lose it")
         buf = io.BytesIO()
         torch.save(self.stream.state_dict(), buf)
-        write_durable(folder / STREAM_FILE, buf.getvalue())
+        try:
+            write_durable(folder / STREAM_FILE, buf.getvalue())
+        except OSError as e:
+            if is_no_space(e):  # the checkpointer's disk-full path: the save is removed, the run told
+                raise no_space_error(folder / STREAM_FILE, "the fully_async stream", len(buf.getvalue())) from e
+            raise
         return [file_record(folder / STREAM_FILE, folder)]
 
     def nbytes(self) -> int:

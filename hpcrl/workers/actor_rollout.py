@@ -223,10 +223,12 @@ def start_generate(group: Any, prompts: Sequence[Sequence[int]], sampling: Sampl
     prompts = [list(map(int, p)) for p in prompts]
     shards, starts, coords = _per_rank(group, prompts)
     future = group.generate_shard.future(shards, [sampling] * len(shards), starts)
-    return lambda: _assemble(prompts, _in_dp_order(future.result(), coords))
+    return lambda: assemble_batch(prompts, _in_dp_order(future.result(), coords))
 
 
-def _assemble(prompts: list[list[int]], per_prompt: list[list[Completion]]) -> Batch:
+def assemble_batch(prompts: list[list[int]], per_prompt: list[list[Completion]]) -> Batch:
+    """The wire-format batch (`generate`'s) of prompts and their completions, sample j of prompt i in
+    row i * n + j."""
     rows = [(i, prompts[i], c) for i, samples in enumerate(per_prompt) for c in samples]
     width = max(len(p) + len(c.token_ids) for _, p, c in rows)
     n = len(rows)
