@@ -474,15 +474,20 @@ def test_fully_async_run_stopped_mid_stream_resumes_each_prompt_once(grpo_refere
     ref_dir, ref_steps = grpo_reference
     total = 6
     run_dir = tmp_path / "run"
-    args = [HPCRL, "run", "configs/grpo_tiny.yaml", f"trainer.run_dir={run_dir}", *TRAIN_OVERRIDES, *FULLY_ASYNC,
-            f"trainer.total_steps={total}", "checkpoint.save_every=100"]
-    stopped = stop_after(args, run_dir, 2)
+    base = [HPCRL, "run", "configs/grpo_tiny.yaml", f"trainer.run_dir={run_dir}", *TRAIN_OVERRIDES,
+            f"trainer.total_steps={total}"]
+    stopped = stop_after([*base, *FULLY_ASYNC, "checkpoint.save_every=100"], run_dir, 2)
     assert 2 <= stopped < total
     state = torch.load(run_dir / "checkpoints" / f"step_{stopped:08d}" / "stream.pt", weights_only=True)
     held = [g for g in state["groups"] if any(s["versions"] for s in g["samples"])]
     assert held and state["version"] == stopped  # samples were in flight or waiting at the stop
     # at step stopped + 1 the trainer holds version `stopped`: bound 1 drops every group with an older token
     too_stale = [g["row"] for g in held if min(v for s in g["samples"] for v in s["versions"]) < stopped - 1]
+    # another rollout mode would skip the prompts of the samples held: refused before anything starts
+    other = run([*base, "trainer.placement=split", "trainer.rollout_workers=2", "rollout.mode=one_step_off"],
+                timeout=300)
+    assert other.returncode == 2 and "the checkpoint holds the samples of a fully_async stream" in other.stderr, \
+        other.stderr[-2000:]
     steps = hpcrl_run(run_dir, *FULLY_ASYNC, f"trainer.total_steps={total}", "rollout.max_staleness=1")
     assert f"resumed with {len(state['groups'])} group(s) of the stream" in controller_log(run_dir)
     assert [m["step"] for m in steps] == list(range(1, total + 1))

@@ -123,6 +123,16 @@ def resume_problems(folder: str | Path, cfg: dict[str, Any]) -> list[str]:
             "learning rate may change); to start another run, give it another trainer.run_dir."]
 
 
+def _stream_groups(path: Path) -> int:
+    """How many groups a saved fully_async stream holds (0 once a run has trained all it drew)."""
+    import torch
+
+    try:
+        return len(torch.load(path, weights_only=True).get("groups", []))
+    except Exception:  # unreadable: the resume itself will say so; not this check's business
+        return 1
+
+
 def _rollout_state_problems(folder: Path, saved: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
     """Samples a checkpoint holds that only the same kind of rollout continues: the fully asynchronous
     stream (hpcrl.trainer.stream: groups of rollout.n samples) or the batches generated ahead
@@ -131,7 +141,7 @@ def _rollout_state_problems(folder: Path, saved: dict[str, Any], cfg: dict[str, 
 
     mode = rollout_mode(cfg)
     out = []
-    if (folder / "stream.pt").is_file():
+    if (folder / "stream.pt").is_file() and _stream_groups(folder / "stream.pt"):
         if mode != "fully_async":
             out.append(f"rollout.mode: the checkpoint holds the samples of a fully_async stream, {mode!r} now would "
                        "skip their prompts (resume with rollout.mode=fully_async)")
