@@ -75,7 +75,8 @@ class Checkpointer:
         from hpcrl.checkpoint.compat import architecture
 
         # what a resume checks the model against (hpcrl.checkpoint.compat), wherever the folder moves
-        self.model_architecture = architecture(cfg.model.path)
+        model_path = OmegaConf.select(cfg, "model.path", default=None, throw_on_missing=False)
+        self.model_architecture = architecture(model_path) if model_path else None
 
     def controller_state(self) -> dict[str, Any]:
         t = self.trainer
