@@ -464,7 +464,11 @@ def test_fully_async_samples_span_versions_with_each_tokens_own_log_probs(
     from omegaconf import OmegaConf
 
     d = tmp_path / "run"
-    steps = hpcrl_run(d, *FULLY_ASYNC, "trainer.total_steps=4", "checkpoint.save_every=1", "checkpoint.keep_last=4")
+    # 1-token segments of 48-token samples: a batch takes far longer to generate than a step of this tiny
+    # model takes to train, so samples in flight cross weight updates whatever the machine's speed (with
+    # 2-token segments of 16, a CI machine generated every sample within one step: no sample spanned)
+    steps = hpcrl_run(d, *FULLY_ASYNC, "rollout.segment_tokens=1", "rollout.max_new_tokens=48", "trainer.total_steps=4",
+                      "checkpoint.save_every=1", "checkpoint.keep_last=4")
     assert [m["step"] for m in steps] == [1, 2, 3, 4]
     assert all(m["stream/staleness_max"] <= 2 for m in steps), [m["stream/staleness_max"] for m in steps]
     assert max(m["stream/multi_version_share"] for m in steps) > 0, [m["stream/multi_version_share"] for m in steps]
