@@ -55,6 +55,9 @@ def test_segments_versions_and_readiness() -> None:
     assert batch["policy_version"].tolist() == [0, 0, 0, 0]
     assert batch["rollout_logprob"][2].tolist() == [0.0] + [-0.5] * 6
     assert m["stream/multi_version_share"] == 0.5 and m["stream/staleness_max"] == 1.0
+    # every sample's oldest token is of version 0, one behind the trainer: the whole batch in bin 1
+    assert (m["stream/staleness_share_0"], m["stream/staleness_share_1"]) == (0.0, 1.0)
+    assert "stream/staleness_share_2" not in m
 
 
 def test_staleness_bound_restarts_a_group_and_counts_it() -> None:

@@ -472,6 +472,12 @@ def test_fully_async_samples_span_versions_with_each_tokens_own_log_probs(
     assert [m["step"] for m in steps] == [1, 2, 3, 4]
     assert all(m["stream/staleness_max"] <= 2 for m in steps), [m["stream/staleness_max"] for m in steps]
     assert max(m["stream/multi_version_share"] for m in steps) > 0, [m["stream/multi_version_share"] for m in steps]
+    for m in steps:  # each batch's staleness histogram: shares summing to 1, ending at the max, of the mean
+        shares = [m[f"stream/staleness_share_{k}"] for k in range(int(m["stream/staleness_max"]) + 1)]
+        assert abs(sum(shares) - 1) < 1e-9 and shares[-1] > 0, shares
+        assert abs(sum(k * x for k, x in enumerate(shares)) - m["stream/staleness_mean"]) < 1e-9, m
+    r = run([HPCRL, "plot", str(d), "--out", str(tmp_path / "plots")])
+    assert r.returncode == 0 and "stream.png" in r.stdout, r.stderr
     # the sampler's prompts, each once (a group finished late may move to a later step)
     rows = [r for m in steps for r in m["data/prompt_rows"]]
     assert len(set(rows)) == len(rows) and sorted(rows) == sorted(r for m in grpo_reference[1][:4]

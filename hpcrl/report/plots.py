@@ -178,8 +178,22 @@ def plot_run(run_dir: Path | str, out_dir: Path | str | None = None) -> list[Pat
 
 def _stream_plot(plt: Any, steps: list[dict[str, Any]], name: str, path: Path) -> Path:
     """The fully asynchronous rollout per step: how many versions behind the trained samples were, the
-    share spanning versions, the engines' idle share; what was thrown away on a second axis."""
-    fig, ax = plt.subplots(figsize=(10, 4.5))
+    share spanning versions, the engines' idle share; what was thrown away on a second axis; below, each
+    batch's staleness histogram as stacked bars."""
+    fig, (ax, hist) = plt.subplots(2, 1, figsize=(10, 8), sharex=True)
+    bins = sorted({int(k.rsplit("_", 1)[1]) for r in steps for k in r if k.startswith("stream/staleness_share_")})
+    x = [float(r["step"]) for r in steps]
+    bottom = [0.0] * len(steps)
+    for k in bins:
+        ys = [float(r.get(f"stream/staleness_share_{k}", 0.0) or 0.0) for r in steps]
+        hist.bar(x, ys, bottom=bottom, width=0.8, label=f"{k} version(s) behind")
+        bottom = [b + y for b, y in zip(bottom, ys)]
+    hist.set_ylabel("share of the batch's samples")
+    hist.set_xlabel("step")
+    if bins:
+        hist.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.1, 1.0))
+    else:
+        hist.text(0.5, 0.5, "no stream/staleness_share_* metrics recorded", ha="center", transform=hist.transAxes)
     drew = False
     for key, label in (("stream/staleness_mean", "staleness (mean, versions)"),
                        ("stream/staleness_max", "staleness (max, versions)"),

@@ -208,8 +208,10 @@ def batch_of(groups: list[Group], trainer_version: int) -> tuple[Batch, dict[str
     batch["token_version"] = versions
     batch["policy_version"] = torch.tensor(oldest, dtype=torch.long)
     stale = [trainer_version - v for v in oldest]
+    # the batch's staleness histogram: the share of its samples k versions behind, k = 0..max
+    histogram = {f"stream/staleness_share_{k}": stale.count(k) / len(stale) for k in range(max(stale) + 1)}
     return batch, {"stream/staleness_mean": sum(stale) / len(stale), "stream/staleness_max": float(max(stale)),
-                   "stream/multi_version_share": spanning / len(stale),
+                   **histogram, "stream/multi_version_share": spanning / len(stale),
                    "rollout/policy_version": float(min(oldest)), "rollout/staleness": float(max(stale))}
 
 
