@@ -263,7 +263,8 @@ def test_disk_full_during_a_save_keeps_the_previous_checkpoint(tmp_path: Path) -
     every place it can run out (refused up front, a worker's shard, the controller's files, the
     `latest` pointer). Each time: an error naming the path and the bytes, the partial save gone
     (its space back), no step folder or pointer for it, and the first checkpoint the latest valid."""
-    from hpcrl.checkpoint.megatron_state import write_rng, write_shard
+    from hpcrl.checkpoint.megatron_state import write_shard
+    from hpcrl.checkpoint.rng import write_rng
 
     with tmpfs(tmp_path / "small", 256 << 10) as root:
         store = CheckpointStore(root, keep_last=2)
@@ -346,7 +347,8 @@ class _FakeGroup:
         return [shard_nbytes(self.state) + 8192]
 
     def _write(self, ckpt_dir: str) -> list[Any]:
-        from hpcrl.checkpoint.megatron_state import write_rng, write_shard
+        from hpcrl.checkpoint.megatron_state import write_shard
+        from hpcrl.checkpoint.rng import write_rng
 
         return write_shard(self.state, ckpt_dir, "actor") + write_rng(ckpt_dir, 0, 1, {"t": torch.get_rng_state()})
 
@@ -614,10 +616,10 @@ def test_export_hf_joins_shards_into_the_original_tensors(tmp_path: Path) -> Non
 
 
 def test_rank_seed_is_stable_and_distinct() -> None:
-    from hpcrl.checkpoint.megatron_state import rank_seed
+    from hpcrl.checkpoint.rng import rank_seed
 
     # stable: a resumed job is a new process, where Python's salted hash() would differ
-    code = "from hpcrl.checkpoint.megatron_state import rank_seed; print(rank_seed(1, 10, 0), rank_seed(3, 7, 5))"
+    code = "from hpcrl.checkpoint.rng import rank_seed; print(rank_seed(1, 10, 0), rank_seed(3, 7, 5))"
     others = {subprocess.run([PYTHON, "-c", code], env=dict(os.environ, PYTHONHASHSEED=str(h)), cwd=REPO,
                              capture_output=True, text=True, check=True).stdout for h in (1, 2)}
     assert others == {f"{rank_seed(1, 10, 0)} {rank_seed(3, 7, 5)}\n"}
@@ -636,7 +638,7 @@ class _RunsCode:
 
 
 def test_a_crafted_pickle_in_a_checkpoint_is_refused(tmp_path: Path) -> None:
-    from hpcrl.checkpoint.megatron_state import read_rng_file
+    from hpcrl.checkpoint.rng import read_rng_file
 
     marker, evil = tmp_path / "pwned", tmp_path / "rank0.pt"
     torch.save({"world_size": 1, "state": _RunsCode(marker)}, evil)

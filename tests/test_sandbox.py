@@ -30,8 +30,8 @@ from pathlib import Path
 import pytest
 from conftest import IN_CI, REPO
 
+from hpcrl.agents.builtin_tools import CalculatorTool, load_tool, load_tools
 from hpcrl.agents.tools import (
-    CalculatorTool,
     Tool,
     ToolCall,
     ToolCallError,
@@ -39,8 +39,6 @@ from hpcrl.agents.tools import (
     ToolSet,
     format_tool_call,
     format_tool_responses,
-    load_tool,
-    load_tools,
     parse_tool_calls,
     tool_messages,
 )

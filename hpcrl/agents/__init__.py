@@ -9,10 +9,9 @@
 - `toy.py`: a marker format and a counting tool that the tiny random model of CI can use.
 """
 
+from hpcrl.agents.builtin_tools import CalculatorTool, PythonTool, load_tool, load_tools
 from hpcrl.agents.formats import HermesFormat, ToolCallFormat, load_format
 from hpcrl.agents.tools import (
-    CalculatorTool,
-    PythonTool,
     Tool,
     ToolCall,
     ToolCallError,
@@ -22,8 +21,6 @@ from hpcrl.agents.tools import (
     ToolSet,
     format_tool_call,
     format_tool_responses,
-    load_tool,
-    load_tools,
     parse_tool_calls,
     tool_messages,
 )

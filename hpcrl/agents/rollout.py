@@ -52,8 +52,9 @@ from typing import Any
 
 import torch
 
+from hpcrl.agents.builtin_tools import load_tool
 from hpcrl.agents.formats import ToolCallFormat, load_format
-from hpcrl.agents.tools import ToolCall, ToolCallError, ToolResult, ToolSet, load_tool, tool_messages
+from hpcrl.agents.tools import ToolCall, ToolCallError, ToolResult, ToolSet, tool_messages
 from hpcrl.controller.batch import Batch
 from hpcrl.engines.vllm.engine import SEED_SPACE, Completion, SamplingSettings
 

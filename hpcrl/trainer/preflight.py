@@ -85,8 +85,8 @@ def _check_multi_turn_registry(cfg: DictConfig, check_paths: bool, problems: lis
     mt = cfg.rollout.multi_turn
     if not mt.enable or is_dpo(cfg):
         return
+    from hpcrl.agents.builtin_tools import BUILTIN_TOOLS
     from hpcrl.agents.formats import BUILTIN_FORMATS
-    from hpcrl.agents.tools import BUILTIN_TOOLS
 
     tools = OmegaConf.to_container(mt.tools, resolve=True)
     if not tools:

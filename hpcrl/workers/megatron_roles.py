@@ -474,7 +474,7 @@ class MegatronRole(Worker):
         import numpy as np
         import torch.distributed as dist
 
-        from hpcrl.checkpoint.megatron_state import rank_seed
+        from hpcrl.checkpoint.rng import rank_seed
 
         r = rank_seed(int(seed), 0, dist.get_rank())
         random.seed(r)
