@@ -1,7 +1,8 @@
 """Colocated vs split placement vs split one-step-off vs fully asynchronous, on the same workers (not CI).
 
     .venv/bin/python tools/bench_async.py [--config configs/grpo_smollm2.yaml] [--steps 4] [--rounds 2]
-                                          [--modes NAME,...] [--out bench-async] [KEY=VALUE ...]
+                                          [--modes NAME,...] [--async-staleness 2] [--out bench-async]
+                                          [KEY=VALUE ...]
 
 Runs `hpcrl run CONFIG` in these placements and modes of the config's workers (--modes picks some),
 alternating them round by round:
@@ -12,15 +13,19 @@ alternating them round by round:
 - split one-step-off: the same split, batch k+1 generated while batch k trains (rollout.max_staleness=1).
 - split fully_async: the same split, the engines generating without pause in segments, samples in
   flight continued across weight updates (rollout.mode=fully_async, hpcrl.trainer.stream), tokens at
-  most 2 versions behind (with 1 only one batch is in flight, and the trainer waits for its longest
-  sample as one-step-off does); and the same without partial rollout (samples in flight start again).
+  most --async-staleness versions behind (default 2; with 1 only one batch is in flight, and the trainer
+  waits for its longest sample as one-step-off does); and the same without partial rollout (samples in
+  flight start again).
 
-It prints each run's median steady step (steps 2..STEPS, the first one also generates the first batch)
-with the load average and the host's steal time, then steps/s of each placement as ratios (medians over
-the rounds), and draws `OUT/timeline.png`: for each placement the timeline of steps 2..STEPS of its last
-run, one row per group of workers (trainer, rollout), bars for generate / old log-probs / update /
-weight transfer, so that the overlap shows. Run it alone on the machine: other jobs make every number
-wrong.
+Round k runs every mode with trainer.seed = the config's + k - 1 (the same prompts, other samples). It
+prints each run's median steady step (steps 2..STEPS, the first one also generates the first batch)
+with the load average and the host's steal time, then for each mode the median over the rounds of its
+throughput over steps 2..STEPS (trained samples/s, every mode training the same number a step, and
+trained response tokens/s) as ratios, and the per-seed difference of the mean training reward over the
+run from each baseline's, with its standard error over the rounds. It draws `OUT/timeline.png`: for
+each placement the timeline of steps 2..STEPS of its last run, one row per group of workers (trainer,
+rollout), bars for generate / old log-probs / update / weight transfer, so that the overlap shows.
+Run it alone on the machine: other jobs make every number wrong.
 """
 
 from __future__ import annotations
@@ -44,9 +49,9 @@ PLACEMENTS = {
     "split sync": ["trainer.placement=split", "rollout.max_staleness=0"],
     "split one-step-off": ["trainer.placement=split", "rollout.max_staleness=1"],
     # the engines generating without pause (hpcrl.trainer.stream), samples continued across updates or not
-    "split fully_async": ["trainer.placement=split", "rollout.mode=fully_async", "rollout.max_staleness=2"],
+    "split fully_async": ["trainer.placement=split", "rollout.mode=fully_async"],
     "split fully_async no partial": ["trainer.placement=split", "rollout.mode=fully_async",
-                                     "rollout.max_staleness=2", "rollout.partial_rollout=false"],
+                                     "rollout.partial_rollout=false"],
 }
 # controller phases -> (row, colour); the rollout row of a split run is drawn from the engines' own spans
 ROWS = {"generate": ("rollout", "tab:green"), "validate": ("rollout", "tab:olive"),
@@ -73,7 +78,9 @@ def run_once(config: str, steps: int, overrides: list[str]) -> dict:
             "step_s": statistics.median(m["time/step"] for m in steady),
             "phases": {k[5:]: statistics.median(m.get(k, 0.0) for m in steady)
                        for k in sorted({k for m in steady for k in m if k.startswith("time/") and k != "time/step"})},
-            "reward": [round(m["reward/mean"], 3) for m in records], "records": records}
+            "reward": [round(m["reward/mean"], 3) for m in records], "records": records,
+            "steady_s": sum(m["time/step"] for m in steady),
+            "tokens": sum(m["response_length/mean"] for m in steady)}
 
 
 def draw(timelines: dict[str, list[dict]], path: Path) -> None:
@@ -120,6 +127,9 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("bench-async"))
     p.add_argument("--modes", default=",".join(PLACEMENTS),
                    help=f"comma-separated, of: {', '.join(PLACEMENTS)} (default: all)")
+    p.add_argument("--async-staleness", type=int, default=2,
+                   help="rollout.max_staleness of the fully_async modes (a long tail needs more: a sample "
+                        "spanning more updates than this starts again)")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     from hpcrl.config import load_config
@@ -135,24 +145,55 @@ def main() -> None:
         p.error(f"--modes: unknown {unknown}; choose from {list(PLACEMENTS)}")
     results: dict[str, list[dict]] = {name: [] for name in chosen}
     for k in range(args.rounds):
+        seed = [f"trainer.seed={int(cfg.trainer.seed) + k}"]
         for name in chosen:
             extra = PLACEMENTS[name]
-            r = run_once(args.config, args.steps, [*args.overrides, *extra, *(split if extra else [])])
+            if "rollout.mode=fully_async" in extra:
+                extra = [*extra, f"rollout.max_staleness={args.async_staleness}"]
+            r = run_once(args.config, args.steps, [*args.overrides, *seed, *extra, *(split if extra else [])])
             results[name].append(r)
             phases = ", ".join(f"{ph} {v:.1f}" for ph, v in r["phases"].items() if v >= 0.05)
+            lengths = [m["response_length/mean"] for m in r["records"]]
+            stream = ""
+            if any("stream/dropped_groups" in m for m in r["records"]):
+                total = {key: sum(m.get(f"stream/{key}", 0.0) for m in r["records"])
+                         for key in ("dropped_groups", "tokens_thrown_away", "tokens_generated")}
+                stream = (f"; stream: {total['dropped_groups']:.0f} group(s) dropped for staleness, "
+                          f"{total['tokens_thrown_away']:.0f} of {total['tokens_generated']:.0f} tokens thrown "
+                          f"away, samples spanning versions "
+                          f"{statistics.mean(m['stream/multi_version_share'] for m in r['records']):.2f}, "
+                          f"staleness mean {statistics.mean(m['stream/staleness_mean'] for m in r['records']):.2f} "
+                          f"max {max(m['stream/staleness_max'] for m in r['records']):.0f}, engine idle "
+                          f"{statistics.mean(m['stream/engine_idle_frac'] for m in r['records'][1:]):.2f}")
             print(f"[bench_async] round {k + 1} {name}: step {r['step_s']:.1f} s ({phases}); "
-                  f"load {r['load_before']:.2f} -> {r['load_after']:.2f}, steal {r['steal_s']:.1f} s, "
-                  f"rewards {r['reward']}", flush=True)
-    step = {name: statistics.median(r["step_s"] for r in rs) for name, rs in results.items()}
-    print(f"\n{workers} workers ({args.config}); median steady step over {args.rounds} round(s), "
-          f"steps 2..{args.steps}:")
+                  f"load {r['load_before']:.2f} -> {r['load_after']:.2f}, steal {r['steal_s']:.1f} s; "
+                  f"rewards {r['reward']}; response length mean {statistics.mean(lengths):.0f} (by step "
+                  f"{[round(x) for x in lengths]}), max {max(m['response_length/max'] for m in r['records']):.0f}, "
+                  f"cut {statistics.mean(m['response_length/clip_ratio'] for m in r['records']):.2f}{stream}",
+                  flush=True)
     samples = cfg.data.train_batch_size * cfg.rollout.n  # every step trains this many
-    base = [b for b in ("colocated", "split sync", "split one-step-off") if b in step]
-    for name, s in step.items():
-        tokens = statistics.median(sum(m["response_length/mean"] for m in r["records"][1:]) * samples
-                                   / sum(m["time/step"] for m in r["records"][1:]) for r in results[name])
-        print(f"  {name:<30} {s:6.1f} s/step  {1 / s:.4f} steps/s  {tokens:7.1f} trained response tokens/s  "
-              + "  ".join(f"{step[b] / s:.2f}x {b}" for b in base))
+    steady = args.steps - 1
+    print(f"\n{workers} workers ({args.config}); {samples} samples a step; over {args.rounds} round(s), "
+          f"steps 2..{args.steps} (medians over the rounds):")
+    rate = {name: statistics.median(steady * samples / r["steady_s"] for r in rs) for name, rs in results.items()}
+    base = [b for b in ("colocated", "split sync", "split one-step-off") if b in rate]
+    for name, rs in results.items():
+        step = statistics.median(r["step_s"] for r in rs)
+        tokens = statistics.median(r["tokens"] * samples / r["steady_s"] for r in rs)
+        print(f"  {name:<30} median step {step:6.1f} s  mean step {samples / rate[name]:6.1f} s  "
+              f"{rate[name]:.3f} samples/s  {tokens:7.1f} trained response tokens/s  "
+              + "  ".join(f"{rate[name] / rate[b]:.2f}x {b}" for b in base))
+    if args.rounds > 1:
+        print("training reward over the run (mean of steps 1..STEPS), per-seed difference from each baseline, "
+              "mean +- standard error over the rounds:")
+        mean_reward = {name: [statistics.mean(r["reward"]) for r in rs] for name, rs in results.items()}
+        for name in results:
+            diffs = {b: [x - y for x, y in zip(mean_reward[name], mean_reward[b], strict=True)]
+                     for b in base if b != name}
+            print(f"  {name:<30} reward {statistics.mean(mean_reward[name]):.3f} "
+                  f"(rounds {[round(x, 3) for x in mean_reward[name]]})  "
+                  + "  ".join(f"{statistics.mean(d):+.3f} +- {statistics.stdev(d) / len(d) ** 0.5:.3f} vs {b}"
+                              for b, d in diffs.items()))
     args.out.mkdir(parents=True, exist_ok=True)
     draw({name: rs[-1]["records"][1:] for name, rs in results.items()}, args.out / "timeline.png")
     print(f"timeline: {args.out / 'timeline.png'}")
