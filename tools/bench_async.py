@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -72,6 +73,7 @@ def run_once(config: str, steps: int, overrides: list[str]) -> dict:
     if rc != 0:
         raise SystemExit(f"hpcrl run failed ({' '.join(overrides) or 'colocated'}), see {run_dir.parent / 'out.log'}")
     records = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # the end-of-run save: 1.6 GB for SmolLM2
     steady = records[1:]
     return {"wall_s": time.perf_counter() - t0, "load_before": load0, "load_after": os.getloadavg()[0],
             "steal_s": (steal_ticks() - steal0) / os.sysconf("SC_CLK_TCK"),
