@@ -196,10 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plot)
 
     from hpcrl.cli_ckpt import add_commands as add_ckpt_commands
+    from hpcrl.cli_pools import add_pool_command
     from hpcrl.cli_slurm import add_commands as add_slurm_commands
 
     add_slurm_commands(sub)  # submit, status, cancel
     add_ckpt_commands(sub)  # ckpt list / verify / export-hf
+    add_pool_command(sub)  # pool RUN_DIR (a rollout pool worker)
     return parser
 
 

@@ -12,8 +12,8 @@ from omegaconf import DictConfig
 from hpcrl.config.validate import config_warnings
 
 
-def add_config_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", help="YAML recipe, e.g. configs/grpo_tiny.yaml")
+def add_config_arguments(p: argparse.ArgumentParser, optional: bool = False) -> None:
+    p.add_argument("config", nargs="?" if optional else None, help="YAML recipe, e.g. configs/grpo_tiny.yaml")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="override any key, e.g. trainer.total_steps=3 actor.parallel.tensor_parallel=2")
     p.add_argument("--skip-path-checks", action="store_true",

@@ -26,6 +26,15 @@ def _q(path: str) -> str:
 def cmd_submit(args: argparse.Namespace) -> int:
     """Validate, then submit the hetjob through submitit; print the job id, logs and how to follow them."""
     from hpcrl.cli_args import print_config_warnings
+
+    if args.join:  # a rollout pool for a running run (hpcrl.cli_pools)
+        from hpcrl.cli_pools import submit_join
+
+        return submit_join(args)
+    if not args.config:
+        print("hpcrl submit: CONFIG is required (or --join RUN_DIR --rollout-nodes K for a rollout pool)",
+              file=sys.stderr)
+        return 2
     from hpcrl.launch.slurm_query import is_active
     from hpcrl.launch.submit import SubmitRequest, prepare, submit
 
@@ -98,6 +107,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     from hpcrl.launch.jobs import JOB_ID_RE, lookup_run_dir, recent_jobs
     from hpcrl.launch.slurm_query import job_status
 
+    if args.job is not None and os.path.isdir(args.job):  # a run directory: the run and its rollout pools
+        from hpcrl.cli_pools import status_run_dir
+
+        return status_run_dir(args.job, args.json)
     if args.job is None:
         entries = recent_jobs(args.last)
         if not entries:
@@ -168,7 +181,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
                                    "het group 0 = the controller (1 task), het group 1 = NODES x workers "
                                    "(with --rollout-nodes, het group 2 = the rollout nodes). "
                                    "Logs and job files go to {trainer.run_dir}/slurm/.")
-    add_config_arguments(p)
+    add_config_arguments(p, optional=True)
+    p.add_argument("--join", metavar="RUN_DIR",
+                   help="submit a rollout pool for the running run in RUN_DIR instead (with --rollout-nodes K; "
+                        "split placement, rollout.mode=fully_async): its K nodes' vLLM workers join the run, take "
+                        "prompts from the next update on, and leave when the job ends")
     p.add_argument("--nodes", type=lambda v: int(v) if v.strip().isdigit() else v,
                    help="worker nodes (sets trainer.nnodes; default: the config's), or MIN-MAX: Slurm grants what it "
                         "can in the range, DP follows, TP/PP stay")
@@ -192,7 +209,8 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("status", help="state, elapsed time, restarts and current step of a job (or recent jobs)")
-    p.add_argument("job", nargs="?", help="Slurm job id; without it: the jobs recorded most recently")
+    p.add_argument("job", nargs="?", help="Slurm job id, or a run directory (the run's step and rollout pools); "
+                                          "without it: the jobs recorded most recently")
     p.add_argument("--run-dir", help="the run's directory, when the job registry does not know the job")
     p.add_argument("--last", type=int, default=10, help="how many recent jobs to list without JOB (10)")
     p.add_argument("--json", action="store_true", help="print JSON")

@@ -126,3 +126,18 @@ def one_step_off(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[d
     tests/test_resume.py preempts a copy)."""
     d = tmp_path_factory.mktemp("one-step-off") / "run"
     return d, hpcrl_run(d, *SPLIT_OVERRIDES, "checkpoint.save_every=1", "checkpoint.keep_last=3")
+
+
+def hf_token_logprobs(model_dir: Path, batch: dict, temperature: float):
+    """Token-aligned log p(ids[t] | ids[<t]) under softmax(logits / T) of an HF folder, in fp32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = torch.zeros(batch["input_ids"].shape)
+    with torch.no_grad():
+        for i, n in enumerate(batch["attention_mask"].sum(-1).tolist()):
+            ids = batch["input_ids"][i, :int(n)]
+            lp = torch.log_softmax(hf(ids[None]).logits[0].float() / temperature, -1)
+            out[i, 1:int(n)] = lp[:-1].gather(-1, ids[1:, None])[:, 0]
+    return out

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FULLY_ASYNC, HPCRL, REPO, TRAIN_STEPS, hpcrl_run, read_jsonl, run
+from conftest import FULLY_ASYNC, HPCRL, REPO, TRAIN_STEPS, hf_token_logprobs, hpcrl_run, read_jsonl, run
 
 # W&B offline gets a key in its environment it must never write anywhere (hpcrl.trainer.wandb_sink)
 FAKE_WANDB_KEY = "hpcrl-test-fake-wandb-key-8f3a91c2d7e4b605"
@@ -406,21 +406,6 @@ def test_one_step_off_split_placement_learns(one_step_off: tuple[Path, list[dict
     assert r.returncode == 0 and len(ratios) == 2 and all(0.9 <= x <= 1.4 for x in ratios), r.stdout + r.stderr
     log = (run_dir / "logs" / "controller.log").read_text()
     assert "split placement" in log and "worker groups ready" in log
-
-
-def hf_token_logprobs(model_dir: Path, batch: dict, temperature: float):
-    """Token-aligned log p(ids[t] | ids[<t]) under softmax(logits / T) of an HF folder, in fp32."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = torch.zeros(batch["input_ids"].shape)
-    with torch.no_grad():
-        for i, n in enumerate(batch["attention_mask"].sum(-1).tolist()):
-            ids = batch["input_ids"][i, :int(n)]
-            lp = torch.log_softmax(hf(ids[None]).logits[0].float() / temperature, -1)
-            out[i, 1:int(n)] = lp[:-1].gather(-1, ids[1:, None])[:, 0]
-    return out
 
 
 def test_one_step_off_batches_come_from_the_previous_weights(one_step_off: tuple[Path, list[dict]],

@@ -272,6 +272,10 @@ class RolloutConfig:
     # this bounds how long an update waits for the engines (and how finely a sample's tokens can span
     # versions)
     segment_tokens: int = 32
+    # fully_async: a rollout pool worker (hpcrl.pools, `hpcrl submit --join`) that sends nothing for this
+    # many seconds (it sends a heartbeat every quarter of it), or has not loaded new weights within it,
+    # counts as gone: its share of the segment in flight goes to the other engines
+    pool_liveness_s: float = 60.0
     # MoE models (routing replay, "R3"): vLLM's engines record the experts every token was routed to,
     # and the actor's forwards (old log-probs and the update) use those experts instead of routing
     # again, so both sides compute each token with the same experts.

@@ -137,6 +137,7 @@ RANGES: dict[str, tuple[float | None, float | None, bool]] = {
     "trainer.rollout_workers": (0, None, True),
     "rollout.max_staleness": (0, None, True),
     "rollout.segment_tokens": (1, None, True),
+    "rollout.pool_liveness_s": (1, None, True),
     "algorithm.rollout_is_cap": (1, None, True),
     "checkpoint.save_every": (0, None, True),
     "logging.log_every": (1, None, True),

@@ -84,11 +84,12 @@ def _cut(t: torch.Tensor, cut: tuple[int, int, int] | None) -> torch.Tensor:
     return t if cut is None else t.narrow(*cut)
 
 
-def send_to_rollout(engine: MegatronEngine, bridge: Any, tp_bridges: list[Any], bucket_bytes: int = 64 << 20
-                    ) -> ReshardStats:
+def send_to_rollout(engine: MegatronEngine, bridge: Any, tp_bridges: list[Any], bucket_bytes: int = 64 << 20,
+                    pools: Any = None) -> ReshardStats:
     """Send the trainer's current weights to the rollout ranks (collective over the trainer's
     world; trainer rank 0 is also the root of the bridge broadcasts). tp_bridges[r]: trainer rank 0
-    and the rollout ranks of TP rank r (on trainer rank 0; its length is the rollout TP)."""
+    and the rollout ranks of TP rank r (on trainer rank 0; its length is the rollout TP). `pools`
+    (trainer rank 0): a hpcrl.pools.weights.PoolSender that gets every bucket too."""
     stats = ReshardStats(bucket_bytes=bucket_bytes)
     dist.barrier()
     t0 = time.perf_counter()
@@ -146,6 +147,8 @@ def send_to_rollout(engine: MegatronEngine, bridge: Any, tp_bridges: list[Any], 
                 stats.bytes_sent_as_root += flat.numel() * flat.element_size()
                 live.drop(flat.numel() * flat.element_size())
                 del flat
+        if pools is not None:
+            pools.send_bucket(hf, aliases)
         stats.buckets += 1
         stats.tensors_pushed += len(hf) + len(aliases)
         live.drop(live.now)

@@ -78,18 +78,25 @@ class Split:
         # the step whose weights the engines run (None: the model file's, which after a resume are
         # not the trainer's)
         self.weights_step: int | None = None
+        # rollout pools of other jobs (hpcrl.pools.registry; fully_async runs): they get the weights too
+        self.pools: Any = None
 
     def to_rollout(self, step: int) -> dict[str, float]:
         """Send the trainer's weights (those after `step`) to every engine, unless they have them."""
         if self.weights_step == step:
             return {}
-        sending = self.actor.send_weights.future()
+        targets, gone = (self.pools.weight_targets(step, self.pools.liveness_s) if self.pools is not None
+                         else ([], []))
+        sending = self.actor.send_weights.future(pools=targets, gone=gone)
         received = self.rollout.receive_weights()
         sent = sending.result()
         self.weights_step = step
-        return {"weights/received_mb_max": max(r["bytes_received"] for r in received) / 1e6,
-                "weights/sent_mb": sent["bytes_sent_as_root"] / 1e6,
-                "weights/model_mb": received[0]["model_bytes"] / 1e6}
+        out = {"weights/received_mb_max": max(r["bytes_received"] for r in received) / 1e6,
+               "weights/sent_mb": sent["bytes_sent_as_root"] / 1e6,
+               "weights/model_mb": received[0]["model_bytes"] / 1e6}
+        if self.pools is not None:
+            out.update(self.pools.weights_done(step, targets, sent))
+        return out
 
     def to_training(self) -> None:
         """Nothing to give back: the engines keep their own workers."""

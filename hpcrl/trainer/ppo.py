@@ -152,10 +152,14 @@ class PPOTrainer:
         # the engines generating without pause (rollout.mode=fully_async): hpcrl.trainer.stream
         self.stream = None
         if rollout_mode(cfg) == "fully_async":
+            from hpcrl.pools.registry import open_pools
             from hpcrl.trainer.stream import make_stream
 
+            # rollout pools of other Slurm jobs may join and leave (hpcrl.pools)
+            self.placement.pools = open_pools(cfg, self.placement.trainer_ranks[0])
             self.stream = make_stream(cfg, self.plain["rollout"], self.placement.rollout, lambda: [
-                (int(i), self.train_data[i].prompt_ids) for i in self.sampler.next_batch()])
+                (int(i), self.train_data[i].prompt_ids) for i in self.sampler.next_batch()],
+                pools=self.placement.pools)
         self.dp_size = self.actor.layout.dp_size
         where = self.actor.describe()
         layout = (f"TP={where['tp']} PP={where['pp']}" + (f" CP={where['cp']}" if where["cp"] > 1 else "")
@@ -489,6 +493,8 @@ class PPOTrainer:
                             "rollout_actor_logprob_gap_max": top})
         metrics.update({f"actor/{k}": v for k, v in out.items()})
         metrics.update(self.collect_ahead(step, timer) if self.stream is None else self.collect_stream(step, timer))
+        # the engines that generated for the step (a fully_async stream counts its rollout pools' too)
+        metrics.setdefault("rollout/workers", float(len(self.placement.rollout.ranks)))
 
         # every worker process hosts an actor rank or a rollout engine (the other roles live with the actor)
         metrics.update(peak_memory_metrics(*self.placement.peak_memory()))
@@ -553,6 +559,8 @@ class PPOTrainer:
         return self.validate()
 
     def close(self) -> None:
+        if getattr(self.placement, "pools", None) is not None:
+            self.placement.pools.close()
         self.scorer.close()
         if self.agent is not None:
             self.agent.close()

@@ -23,6 +23,11 @@ waiting for training steps, and the trainer takes a batch as soon as enough grou
   counters) is part of the checkpoint (`STREAM_FILE`) beside the sampler's cursor: a resumed run goes on
   with every sample it had, and trains each prompt once.
 
+- Rollout pools (hpcrl.pools): live workers of other Slurm jobs take an even share of each segment
+  beside the rollout group's replicas (`SegmentParts`); the share of a worker that leaves comes back
+  with no tokens, so its samples continue in the next segment. Each token records whether a pool
+  worker made it (`Sample.pooled`).
+
 `RolloutStream` is the state (no controller, no engine); `StreamDriver` runs it on the rollout group.
 The batch and its metrics come from `batch_of` and `StreamDriver.step_metrics`; hpcrl.trainer.ppo
 calls them.
@@ -40,7 +45,7 @@ from typing import Any
 
 import torch
 
-from hpcrl.controller.batch import Batch
+from hpcrl.controller.batch import Batch, even_sizes
 from hpcrl.engines.vllm.engine import SEED_SPACE, Completion, SamplingSettings
 
 log = logging.getLogger("hpcrl.trainer")
@@ -56,6 +61,8 @@ class Sample:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finish: str | None = None  # vLLM's finish reason once finished; None while generating
+    # 1 for each token a rollout pool worker made (hpcrl.pools), 0 for the run's own engines
+    pooled: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -88,6 +95,7 @@ class Request:
     ids: list[int]
     seed: int
     max_tokens: int
+    pooled: int = 0  # sent to a rollout pool worker
 
 
 class RolloutStream:
@@ -137,6 +145,7 @@ class RolloutStream:
             s.tokens += list(c.token_ids)
             s.logprobs += list(c.logprobs)
             s.versions += [self.version] * len(c.token_ids)
+            s.pooled += [req.pooled] * len(c.token_ids)
             added += len(c.token_ids)
             # "length" with room left is the segment's end, not the sample's
             if c.finish_reason != "length" or len(s.tokens) >= self.max_new_tokens:
@@ -182,11 +191,18 @@ class RolloutStream:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.groups = [Group(int(g["uid"]), int(g["row"]), list(g["prompt"]),
-                             [Sample(**s) for s in g["samples"]], int(g["restarts"])) for g in state["groups"]]
+                             [_sample(s) for s in g["samples"]], int(g["restarts"])) for g in state["groups"]]
         self.version = int(state["version"])
         self.drawn_batches = int(state["drawn_batches"])
         self.thrown_tokens = int(state["thrown_tokens"])
         self.dropped_groups = int(state["dropped_groups"])
+
+
+def _sample(state: dict[str, Any]) -> Sample:
+    s = Sample(**state)
+    # a stream saved before rollout pools: every token its own engines'
+    s.pooled = s.pooled or [0] * len(s.tokens)
+    return s
 
 
 def batch_of(groups: list[Group], trainer_version: int) -> tuple[Batch, dict[str, Any]]:
@@ -215,15 +231,32 @@ def batch_of(groups: list[Group], trainer_version: int) -> tuple[Batch, dict[str
                    "rollout/policy_version": float(min(oldest)), "rollout/staleness": float(max(stale))}
 
 
+class SegmentParts:
+    """One segment in flight on the rollout group and on pool workers, each part a share of its
+    requests in order: done when every part is; completions in request order (a part whose pool
+    worker went answers with no tokens)."""
+
+    def __init__(self, parts: list[Any]):
+        self.parts = parts
+
+    def done(self) -> bool:
+        return all(p.done() for p in self.parts)
+
+    def result(self) -> list[Completion]:
+        return [c for p in self.parts for c in p.result()]
+
+
 class StreamDriver:
     """Runs a RolloutStream on the split placement's rollout group: segments in flight one at a time,
     started whenever the last one has returned and the stream is not paused (a weight load or a
     checkpoint needs the engines still)."""
 
     def __init__(self, stream: RolloutStream, group: Any, sampling: SamplingSettings,
-                 draw: Callable[[], list[tuple[int, list[int]]]]):
+                 draw: Callable[[], list[tuple[int, list[int]]]], pools: Any = None):
         self.stream, self.group, self.sampling, self.draw = stream, group, sampling, draw
+        self.pools = pools  # hpcrl.pools.registry.PoolRegistry: workers of other jobs that take shares
         self.coords: list[tuple[int, int]] = group.rollout_coords()
+        self.replicas = len({d for d, _ in self.coords})
         self.pending: tuple[Any, list[Request], float] | None = None
         self.paused = True
         # set while the driver itself waits for a segment: the wait runs ControllerRuntime.idle, which
@@ -235,6 +268,8 @@ class StreamDriver:
 
     def pump(self) -> None:
         """Collect a finished segment and start the next; never blocks."""
+        if self.pools is not None:
+            self.pools.poll()
         if self._inside:
             return
         if self.pending is not None and self.pending[0].done():
@@ -249,10 +284,27 @@ class StreamDriver:
         while s.room():
             s.admit(self.draw())
         reqs = s.requests()
-        if reqs:
-            pending = start_generate_each(self.group, [r.ids for r in reqs], self.sampling, [r.seed for r in reqs],
-                                          [r.max_tokens for r in reqs], coords=self.coords)
-            self.pending = (pending, reqs, time.perf_counter())
+        if not reqs:
+            return
+        # the rollout group's replicas and each idle live pool worker get an even share, in request order
+        members = self.pools.idle_live() if self.pools is not None else []
+        sizes = even_sizes(len(reqs), self.replicas + len(members))
+        own = sum(sizes[:self.replicas])
+        parts: list[Any] = []
+        if own:
+            parts.append(start_generate_each(self.group, [r.ids for r in reqs[:own]], self.sampling,
+                                             [r.seed for r in reqs[:own]], [r.max_tokens for r in reqs[:own]],
+                                             coords=self.coords))
+        start = own
+        for member, size in zip(members, sizes[self.replicas:]):
+            if size:
+                share = reqs[start:start + size]
+                for r in share:
+                    r.pooled = 1
+                parts.append(self.pools.start_part(member, [(r.ids, r.seed, r.max_tokens) for r in share],
+                                                   self.sampling))
+            start += size
+        self.pending = (SegmentParts(parts), reqs, time.perf_counter())
 
     def _collect(self) -> None:
         assert self.pending is not None
@@ -300,6 +352,11 @@ class StreamDriver:
                "stream/groups_in_flight": float(sum(not g.done() for g in s.groups))}
         self._marks = (s.thrown_tokens, s.dropped_groups, now)
         self.busy_s, self.tokens = 0.0, 0
+        # the engines that generate for the run: its own rollout workers and the live pool workers
+        live = len(self.pools.live()) if self.pools is not None else 0
+        out["rollout/workers"] = float(len(self.coords) + live)
+        if self.pools is not None:
+            out.update(self.pools.step_metrics())
         return out
 
     def save(self, folder: Path) -> list[dict[str, Any]]:
@@ -336,7 +393,7 @@ class StreamDriver:
 
 
 def make_stream(cfg: Any, rollout: dict[str, Any], group: Any,
-                draw: Callable[[], list[tuple[int, list[int]]]]) -> StreamDriver:
+                draw: Callable[[], list[tuple[int, list[int]]]], pools: Any = None) -> StreamDriver:
     """The fully asynchronous rollout of a config on the rollout group (`rollout`: the config's rollout
     section as plain data; `draw`: the sampler's next batch as (row, prompt ids)), pumped whenever the
     controller waits for a worker group."""
@@ -348,7 +405,7 @@ def make_stream(cfg: Any, rollout: dict[str, Any], group: Any,
                            bound=stream_staleness(cfg), partial=r.partial_rollout is not False,
                            batch_groups=int(cfg.data.train_batch_size), total_batches=int(cfg.trainer.total_steps),
                            seed=int(cfg.trainer.seed))
-    driver = StreamDriver(stream, group, SamplingSettings.from_rollout_config(rollout), draw)
+    driver = StreamDriver(stream, group, SamplingSettings.from_rollout_config(rollout), draw, pools)
     get_runtime().idle = driver.pump
     return driver
 

@@ -78,12 +78,22 @@ class SplitActorRole(MegatronRole):
     """The Megatron actor of the split placement: it trains, and sends its weights to the engines."""
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
-    def send_weights(self, bucket_mb: float | None = None) -> dict[str, Any]:
+    def send_weights(self, bucket_mb: float | None = None, pools: list[dict[str, Any]] | None = None,
+                     gone: list[str] | None = None) -> dict[str, Any]:
         """The trainer's current weights to every rollout worker (with RolloutRole.receive_weights,
-        called on the other side at the same time); trainer rank 0's statistics."""
+        called on the other side at the same time), and to the rollout pool workers `pools` (the
+        controller's specs, hpcrl.pools.weights; `gone`: pool workers whose links to drop first);
+        trainer rank 0's statistics, with what reached which pool worker."""
+        from hpcrl.pools.weights import PoolSender, forget_links
+
         mb = self.cfg["rollout"]["weight_bucket_mb"] if bucket_mb is None else bucket_mb
         tp_bridges = [_tp_bridges[r] for r in sorted(_tp_bridges)] if _bridge is not None else []
-        return send_to_rollout(self.engine, _bridge, tp_bridges, int(mb * (1 << 20))).as_dict()
+        sender = None
+        if _bridge is not None:  # trainer worker 0
+            forget_links(gone or [])
+            sender = PoolSender(pools or []) if pools else None
+        stats = send_to_rollout(self.engine, _bridge, tp_bridges, int(mb * (1 << 20)), sender).as_dict()
+        return {**stats, **(sender.finish() if sender is not None else {})}
 
 
 class RolloutRole(RolloutMethods, Worker):
