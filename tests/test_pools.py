@@ -88,6 +88,9 @@ def test_pool_job_joins_gets_weights_leaves_mid_step_and_every_prompt_trains_onc
         # a worker whose sampling differs is refused before it builds anything, naming the key
         r = run([HPCRL, "pool", str(d), "rollout.temperature=0.5"], timeout=120)
         assert r.returncode == 2 and "rollout.temperature: run 1.0, pool 0.5" in r.stderr, (r.returncode, r.stderr)
+        r = run([HPCRL, "submit", "--join", str(d), "--rollout-nodes", "1", "configs/grpo_tiny.yaml",
+                 "rollout.temperature=0.5"], timeout=120, env=env)  # refused before sbatch, naming the key
+        assert r.returncode == 2 and "rollout.temperature: run 1.0, pool 0.5" in r.stderr, (r.returncode, r.stderr)
         # a pool job of 1 node x 2 workers; worker 0 SIGKILLs itself as its 40th segment arrives (a segment in
         # flight), then the job is cancelled (worker 1 in the middle of a step)
         r = run([HPCRL, "submit", "--join", str(d), "--rollout-nodes", "1", "--time", "10", "--json",

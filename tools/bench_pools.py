@@ -7,7 +7,8 @@ generated segment, and the step time with 0, 1 and 2 pools (not CI).
 Each run is `hpcrl run CONFIG` on this machine, split (1 trainer worker, 1 rollout worker),
 rollout.mode=fully_async; as soon as it takes pools (RUN_DIR/pools/controller.json), N pool jobs of 1
 node x 1 worker are submitted with `hpcrl submit --join`. Per pool it reads the pool's log: seconds from
-its Slurm job's start (SLURM_JOB_START_TIME) to its engine being ready and to its first segment served.
+its Slurm job's start (sacct's Start, whole seconds) to its engine being ready and to its first segment
+served.
 Per run it prints the median step time over the steps after which all N pools were live (N = 0: steps 2
 and later), the pools' share of the tokens generated in those steps, the load average and the host's
 steal time. Rounds alternate the pool counts. Run it alone: other jobs make every number wrong. On this
@@ -35,6 +36,15 @@ from bench_step import steal_ticks  # noqa: E402
 HPCRL = str(REPO / ".venv" / "bin" / "hpcrl")
 SPLIT = ["trainer.placement=split", "trainer.workers_per_node=2", "trainer.rollout_workers=1",
          "rollout.mode=fully_async", "trainer.val_every=0", "checkpoint.save_every=0"]
+
+
+def job_start(job_id: str) -> float | None:
+    """The unix time Slurm started a job (sacct's Start, whole seconds)."""
+    r = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "Start"], capture_output=True, text=True)
+    try:
+        return time.mktime(time.strptime(r.stdout.strip().splitlines()[0], "%Y-%m-%dT%H:%M:%S"))
+    except (ValueError, IndexError):
+        return None
 
 
 def one_run(config: str, pools: int, steps: int, overrides: list[str], work: Path) -> dict:
@@ -71,10 +81,11 @@ def one_run(config: str, pools: int, steps: int, overrides: list[str], work: Pat
     pool_info = []
     for j in jobs:
         text = Path(j["stdout"]).read_text(errors="replace") if Path(j["stdout"]).is_file() else ""
-        ready = re.search(r"engine ready ([\d.]+) s after the job's start", text)
-        first = re.search(r"first segment served ([\d.]+) s after the job's start", text)
-        pool_info.append({"job": j["job_id"], "ready_s": float(ready.group(1)) if ready else None,
-                          "first_segment_s": float(first.group(1)) if first else None})
+        start = job_start(j["job_id"])
+        ready = re.search(r"engine ready [\d.]+ s after the start \(unix ([\d.]+)\)", text)
+        first = re.search(r"first segment served [\d.]+ s after the start \(unix ([\d.]+)\)", text)
+        pool_info.append({"job": j["job_id"], "ready_s": float(ready.group(1)) - start if ready and start else None,
+                          "first_segment_s": float(first.group(1)) - start if first and start else None})
     out = {"pools": pools, "steps_counted": [m["step"] for m in counted],
            "step_s": statistics.median(m["time/step"] for m in counted) if counted else None,
            "pool_token_share": (sum(m.get("pools/tokens_generated", 0) for m in counted)

@@ -56,10 +56,9 @@ def serve(run_dir: str, overrides: list[str] | None = None, pool: str | None = N
     index = int(os.environ.get("SLURM_PROCID", "0")) if index is None else index
     who = f"{pool}/{index}"
     t0 = time.monotonic()
-    # times are told from the Slurm job's start where there is one (tools/bench_pools.py reads them)
-    job_start = float(os.environ.get("SLURM_JOB_START_TIME") or 0) or None
-    since = (lambda: f"{time.time() - job_start:.1f} s after the job's start") if job_start else (
-        lambda: f"{time.monotonic() - t0:.1f} s after the start")
+    # with the unix time: tools/bench_pools.py tells them from the Slurm job's start (sacct)
+    def since() -> str:
+        return f"{time.monotonic() - t0:.1f} s after the start (unix {time.time():.2f})"
     try:
         info = find_controller(run_dir)
         cfg = pool_config(Path(run_dir), list(overrides or []))
