@@ -112,20 +112,13 @@ def submit_join(args: argparse.Namespace) -> int:
 
 def pool_status_lines(run_dir: str) -> list[str]:
     """The run's pools (RUN_DIR/pools/state.json) as `hpcrl status RUN_DIR` prints them."""
+    from hpcrl.launch.slurm_query import last_step
     from hpcrl.pools.wire import CONTROLLER_FILE, STATE_FILE, pid_alive, pools_dir, read_json
 
     d = pools_dir(run_dir)
     controller = read_json(d / CONTROLLER_FILE)
     state = read_json(d / STATE_FILE) or {}
-    step = None
-    metrics = Path(run_dir) / "metrics.jsonl"
-    if metrics.is_file():
-        with open(metrics, "rb") as f:
-            for line in f:
-                try:
-                    step = json.loads(line).get("step", step)
-                except ValueError:
-                    pass
+    step = last_step(run_dir)
     running = bool(controller) and (controller.get("host") != os.uname().nodename
                                     or pid_alive(int(controller.get("pid", 0))))
     head = (f"run {run_dir}: {'running' if running else 'not running'}, step {step if step is not None else '-'}"

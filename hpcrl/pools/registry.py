@@ -247,7 +247,7 @@ class PoolRegistry:
         return part
 
     # weights -----------------------------------------------------------------------------------
-    def weight_targets(self, version: int, timeout_s: float) -> tuple[list[dict[str, Any]], list[str]]:
+    def weight_targets(self, version: int) -> tuple[list[dict[str, Any]], list[str]]:
         """Tell every ready or live worker to receive the weights after step `version` now; the specs
         trainer worker 0 opens its links by, and the workers gone since the last load (links to drop)."""
         self.poll()
@@ -256,7 +256,7 @@ class PoolRegistry:
             if m.state in ("ready", "live"):
                 m.loaded = None
                 spec = {"member": m.uid, "key": m.uid, "store": [self.store_host, self.store.port],
-                        "timeout_s": timeout_s}
+                        "timeout_s": self.liveness_s}
                 if self._send(m, {"type": "weights", "version": version, **spec}):
                     specs.append(spec)
         gone, self.gone_since_sync = self.gone_since_sync, []

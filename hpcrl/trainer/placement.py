@@ -85,8 +85,7 @@ class Split:
         """Send the trainer's weights (those after `step`) to every engine, unless they have them."""
         if self.weights_step == step:
             return {}
-        targets, gone = (self.pools.weight_targets(step, self.pools.liveness_s) if self.pools is not None
-                         else ([], []))
+        targets, gone = self.pools.weight_targets(step) if self.pools is not None else ([], [])
         sending = self.actor.send_weights.future(pools=targets, gone=gone)
         received = self.rollout.receive_weights()
         sent = sending.result()
