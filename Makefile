@@ -8,10 +8,11 @@ PYTEST_ARGS ?=
 setup:                ## .venv with the pinned CPU stack (idempotent, ~1 s when up to date)
 	@bash tools/setup_venv.sh
 
-models: setup         ## offline models: tiny random Qwen2, Qwen3, Qwen3-MoE (tests), SmolLM2-135M-Instruct (demo)
+models: setup         ## offline models: tiny random Qwen2, Qwen3, Qwen3-MoE, Phi-3 (tests), SmolLM2-135M-Instruct (demo)
 	@$(PY) tools/make_tiny_model.py --family qwen2 --out models/tiny-qwen2
 	@$(PY) tools/make_tiny_model.py --family qwen3 --out models/tiny-qwen3
 	@$(PY) tools/make_tiny_model.py --family qwen3-moe --out models/tiny-qwen3-moe
+	@$(PY) tools/make_tiny_model.py --family phi3 --out models/tiny-phi3
 	@$(PY) tools/build_smollm2.py --out models/smollm2-135m-instruct --cache models/.cache
 
 data: setup           ## generated data: arithmetic word problems (data/arith), coding tasks (data/code), preference pairs (data/pref)

@@ -539,3 +539,43 @@ def test_dense_qwen3_refuses_each_moe_key(tmp_path) -> None:
     assert [p.split("=")[0] for p in problems] == ["actor.parallel.expert_parallel", "actor.moe.aux_loss_coeff"], \
         problems
     assert all(f"the model (model.path={dense!r}) is dense" in p for p in problems), problems
+
+
+# actor.engine=fsdp (hpcrl.engines.fsdp): what it does not do, and its options with the Megatron engine,
+# refused naming the key (hpcrl config exits 2 on these before anything starts)
+FSDP = ["actor.engine=fsdp", "actor.parallel.tensor_parallel=1"]
+
+
+@pytest.mark.parametrize("overrides,key,words", [
+    (["actor.engine=fsdp"], "actor.parallel.tensor_parallel=2", "shards over data parallel only"),
+    ([*FSDP, "actor.parallel.pipeline_parallel=2"], "actor.parallel.pipeline_parallel=2", "data parallel only"),
+    ([*FSDP, "critic.enable=true", "critic.parallel.tensor_parallel=2"], "critic.parallel.tensor_parallel=2",
+     "the FSDP engine (critic)"),
+    ([*FSDP, "actor.recompute=selective"], "actor.recompute=selective", "whole layers (full) or nothing"),
+    ([*FSDP, "actor.lora.rank=8"], "actor.lora.rank=8", "LoRA runs on the Megatron engine"),
+    ([*FSDP, "trainer.placement=split", "trainer.rollout_workers=2", "trainer.workers_per_node=4"],
+     "trainer.placement=split", "the FSDP engine runs colocated"),
+    (["actor.fsdp.cpu_offload=true"], "actor.fsdp.cpu_offload=True", "no role runs on it"),
+    (["actor.fsdp.accumulate_unsharded=true"], "actor.fsdp.accumulate_unsharded=True", "no role runs on it"),
+    (["actor.engine=fsdpp"], "actor.engine='fsdpp'", "not one of megatron, fsdp"),
+])
+def test_fsdp_engine_options_refused_by_key(overrides: list[str], key: str, words: str) -> None:
+    problems = problems_of(*overrides)
+    assert any(p.startswith(key) and words in p for p in problems), problems
+
+
+def test_fsdp_engine_takes_what_transformers_builds(tmp_path) -> None:
+    """The Megatron engine refuses a family its converter does not know; the FSDP engine takes any
+    causal LM transformers builds, and refuses a model_type transformers does not know."""
+    phi3 = str(REPO / "models" / "tiny-phi3")
+    (msg,) = problems_of(f"model.path={phi3}", "actor.parallel.tensor_parallel=1")
+    assert "'Phi3ForCausalLM'" in msg and "actor.engine=fsdp" in msg
+    preflight(load_config(TINY, [*FSDP, f"model.path={phi3}"]))
+    # a critic on the Megatron engine beside an FSDP actor still needs a family Megatron converts
+    (msg,) = problems_of(*FSDP, f"model.path={phi3}", "critic.enable=true", "critic.engine=megatron",
+                         "critic.parallel.tensor_parallel=1")
+    assert msg.startswith("model.path=") and "'Phi3ForCausalLM'" in msg
+    odd = hf_folder(tmp_path, "odd", {"model_type": "no_such_family", "architectures": ["NoSuchForCausalLM"],
+                                      "num_attention_heads": 4, "num_hidden_layers": 2})
+    (msg,) = problems_of(*FSDP, f"model.path={odd}")
+    assert msg.startswith("model.path=") and "transformers" in msg and "FSDP engine" in msg

@@ -731,3 +731,172 @@ def test_cli_qwen3_30b_a3b_fits_with_expert_parallel(capsys: pytest.CaptureFixtu
     assert "all-to-all dispatcher buffers and experts' activations 18.75 GiB kept for the backward" in out
     assert re.search(r"actor expert weights \(bf16\) +- +1\.69 ", out), out
     assert "peak        update actor: 74.44 GiB" in out
+
+
+# -- the FSDP engine (actor.engine=fsdp, hpcrl/plan/fsdp.py) ---------------------------------------
+SMOLLM2_RECIPE = "configs/grpo_smollm2.yaml"
+FSDP_SHARD = "fp32 FSDP shard, 1/2"  # the demo's DP=2 (trainer.workers_per_node=2)
+
+
+def _smollm2_shape():
+    if not SMOLLM2.exists():  # make test builds it: under CI=true its absence is a failure
+        (pytest.fail if IN_CI else pytest.skip)("models/smollm2-135m-instruct not built (make models)")
+    return read_model_shape(SMOLLM2)
+
+
+def _smollm2_phases(*overrides: str, gpu_mem_bytes: int | None = None) -> dict[str, dict[str, int]]:
+    cfg = load_config(REPO / SMOLLM2_RECIPE, list(overrides))
+    validate(cfg)
+    est = estimate(cfg, RoleShapes(policy=_smollm2_shape()), gpu_mem_bytes=gpu_mem_bytes)
+    return {p.name: p.terms for p in est.phases}
+
+
+def test_fsdp_units_add_up_to_the_model() -> None:
+    """The FSDP plan's tensors (root unit + one unit per layer) are the HF model's parameters; a critic
+    drops the LM head (none when tied) and adds a value head of h + 1."""
+    from hpcrl.plan.fsdp import FsdpRole
+
+    shapes = [tiny_shape(), read_model_shape(LLAMA3_70B), read_model_shape(QWEN3_30B_A3B)]
+    for shape in shapes:
+        lm = FsdpRole("actor", shape, dp=8, compute_dtype="bf16", trains=True)
+        value = FsdpRole("critic", shape, dp=8, compute_dtype="bf16", trains=True, head="value")
+        head = 0 if shape.tie_word_embeddings else shape.vocab_size * shape.hidden_size
+        assert lm.total_params == shape.total_params(), shape.source
+        assert value.total_params == shape.total_params() - head + shape.hidden_size + 1, shape.source
+        # one rank's shards: each tensor's rows cut 8 ways, rounded up
+        assert shape.total_params() / 8 <= lm.params < shape.total_params() / 8 + 8 * 1024 * shape.num_layers
+
+
+def test_fsdp_actor_state_is_the_megatron_plans_over_dp() -> None:
+    """The demo (CPU, fp32, DP=2) with actor.engine=fsdp: the actor's weights, gradients and Adam
+    moments are the Megatron plan's (TP=PP=1, every rank holding all of it) over DP=2; the FSDP rows
+    by hand."""
+    shape = _smollm2_shape()
+    megatron = _smollm2_phases("actor.engine=megatron", "actor.optim.shard_over_dp=false")["update actor"]
+    zero1 = _smollm2_phases("actor.engine=megatron")["update actor"]  # the recipe: moments cut over DP already
+    phases = _smollm2_phases("actor.engine=fsdp")
+    fsdp = phases["update actor"]
+    assert fsdp[f"actor weights ({FSDP_SHARD})"] == megatron["actor weights (fp32)"] // 2 \
+        == 4 * shape.total_params() // 2
+    assert fsdp[f"actor gradients ({FSDP_SHARD})"] == megatron["actor gradients (fp32 .grad)"] // 2
+    assert fsdp[f"actor Adam moments (2 x {FSDP_SHARD})"] == megatron["actor Adam moments (2 x fp32)"] // 2 \
+        == zero1["actor Adam moments (2 x fp32)"]
+    assert not any("master" in label for terms in phases.values() for label in terms)  # the shards are the masters
+    # gathered in fp32 (the compute dtype): the root (embedding 49152 x 576, tied LM head, final norm),
+    # one decoder layer, one all-gather buffer of a layer (CPU: no overlapped prefetch)
+    root, layer = 49152 * 576 + 576, shape.layer_params()
+    assert fsdp["actor gathered root: embedding, norm, LM head (FSDP all-gather, fp32)"] == 4 * root
+    assert fsdp["actor gathered layer (FSDP all-gather, fp32)"] == 4 * layer
+    assert fsdp["actor all-gather buffers (FSDP, fp32)"] == 4 * layer
+    # the root's full gradients through the backward, then its fp32 reduce-scatter input (larger than a
+    # layer's gradients and their reduce-scatter input)
+    assert fsdp["actor unsharded gradients before reduce-scatter"] == 4 * root + max(8 * layer, 4 * root)
+    # micro-batches of max(512, one full sequence of 320) padded tokens, 30 layers; per token and layer
+    # 4h + 2q + 2kv + 4I (HF's unfused MLP) fp32 elements and 9 heads' softmax statistics: the Megatron
+    # CPU plan's count at TP=1
+    per_token_layer = 4 * 576 + 2 * 576 + 2 * 192 + 4 * 1536
+    assert fsdp["activations kept for backward (HF layers, approximated)"] == 30 * 512 * (4 * per_token_layer + 9 * 4) \
+        == megatron["activations kept for backward"]
+    assert fsdp["logits at response positions (whole vocabulary)"] == 512 * 49152 * (4 + 4)
+    # while generating: weights and moments stay (the engine does not offload), no gradients
+    assert f"actor weights ({FSDP_SHARD})" in phases["rollout"]
+    assert f"actor gradients ({FSDP_SHARD})" not in phases["rollout"]
+    # the reshard: buckets of full fp32 tensors up to rollout.weight_bucket_mb = 256 MiB, filled tensor by tensor
+    bucket = phases["reshard"]["reshard bucket: full tensors gathered (FSDP all-gather, fp32)"]
+    assert (256 << 20) - 4 * 1536 * 576 < bucket <= 256 << 20
+    assert "reshard bucket + converted copy" not in phases["reshard"]
+    # the optimizer step: one fp32 temporary of the largest shard, half the embedding
+    assert phases["optimizer step"]["optimizer temporaries"] == 4 * 49152 // 2 * 576
+
+
+def test_fsdp_reshard_after_forward_false_keeps_a_full_copy() -> None:
+    """reshard_after_forward=false (GPU, bf16): every layer stays gathered from its forward to its
+    backward, which with the root is a full bf16 copy of the model in the update; a reference on FSDP
+    keeps no copy between phases (the engine reshards after a no-grad forward)."""
+    shape = _smollm2_shape()
+    gpu = ("trainer.device=cuda", "model.dtype=bf16", "actor.engine=fsdp")
+    resharded = _smollm2_phases(*gpu, gpu_mem_bytes=80 * GIB)
+    kept = _smollm2_phases(*gpu, "actor.fsdp.reshard_after_forward=false", gpu_mem_bytes=80 * GIB)
+    root, layer, full = 49152 * 576 + 576, shape.layer_params(), 2 * shape.total_params()
+    update = kept["update actor"]
+    root_row = "actor gathered root: embedding, norm, LM head (FSDP all-gather, bf16)"
+    assert update[root_row] + update["actor gathered layers: all 30 kept to the backward (reshard_after_forward=false, "
+                                     "bf16)"] == full
+    assert resharded["update actor"][root_row] == 2 * root
+    assert resharded["update actor"]["actor gathered layer (FSDP all-gather, bf16)"] == 2 * layer
+    # GPU: the next layer's all-gather overlaps this one's compute: two buffers
+    assert update["actor all-gather buffers (FSDP, bf16)"] == 2 * 2 * layer
+    assert sum(kept["update actor"].values()) - sum(resharded["update actor"].values()) == 29 * 2 * layer
+    # the other phases hold the shards only (the update's backward resharded every unit)
+    assert {p: sum(t.values()) for p, t in kept.items() if p != "update actor"} == \
+        {p: sum(t.values()) for p, t in resharded.items() if p != "update actor"}
+    # the reshard on GPU: one full tensor on the device (the bucket goes to host memory)
+    on_device = resharded["reshard"]["reshard bucket on the device: one full tensor (FSDP all-gather, bf16)"]
+    assert on_device == 2 * 49152 * 576
+    # a reference (KL in the reward) keeps nothing gathered between phases: the engine reshards every unit
+    # after a no-grad forward (FSDP2 itself reshards in the backward only)
+    with_ref = _smollm2_phases(*gpu, "actor.fsdp.reshard_after_forward=false", "algorithm.use_kl_in_reward=true",
+                               gpu_mem_bytes=80 * GIB)
+    assert not any("kept after" in label for terms in with_ref.values() for label in terms)
+
+
+def test_fsdp_cpu_offload_moves_the_shards_to_pinned_host_memory() -> None:
+    cfg = load_config(REPO / SMOLLM2_RECIPE, ["trainer.device=cuda", "model.dtype=bf16", "actor.engine=fsdp",
+                                              "actor.fsdp.cpu_offload=true"])
+    validate(cfg)
+    est = estimate(cfg, RoleShapes(policy=_smollm2_shape()), gpu_mem_bytes=80 * GIB)
+    assert not any("FSDP shard" in label for p in est.phases for label in p.terms)
+    assert {p.name: p.terms for p in est.phases}["optimizer step"].get("optimizer temporaries") is None  # on the host
+    pinned = est.host_pinned_per_node["FSDP shards, gradients and Adam moments of the actor (actor.fsdp.cpu_offload)"]
+    assert pinned == 2 * 16 * _smollm2_shape().total_params() // 2  # 2 workers x (4 + 4 + 8) bytes of half the model
+
+
+def test_cli_fsdp_plan_prints_the_fsdp_rows(tmp_path) -> None:
+    _smollm2_shape()
+    # a run directory of its own: the recipe's may hold a demo's checkpoints, which another engine cannot resume
+    r = run([HPCRL, "plan", SMOLLM2_RECIPE, "actor.engine=fsdp", f"trainer.run_dir={tmp_path}"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "precision   FSDP (actor): fp32 weight shards over the 2 DP ranks, which are the masters" in r.stdout
+    assert "micro-batches of up to 512 tokens (actor: padded rows" in r.stdout
+    for row in (f"actor weights ({FSDP_SHARD})", "actor gathered layer (FSDP all-gather, fp32)",
+                "actor unsharded gradients before reduce-scatter", "reshard bucket: full tensors gathered"):
+        assert row in r.stdout, row
+    assert "masters and moments cut over" not in r.stdout and "master weights" not in r.stdout
+    # the Megatron plan of the same recipe has none of it
+    r = run([HPCRL, "plan", SMOLLM2_RECIPE, "actor.engine=megatron", f"trainer.run_dir={tmp_path}"])
+    assert r.returncode == 0 and "FSDP" not in r.stdout
+
+
+def test_fsdp_start_up_holds_the_whole_fp32_model_in_host_memory_only() -> None:
+    """The FSDP engine builds the model whole in fp32 in host memory and fully_shard moves it to the GPU
+    unit by unit, cutting it: Llama-3-70B gets no start-up problem on an 80 GiB GPU, and a note gives
+    the host memory each worker process needs while it builds."""
+    flat = ("actor.parallel.tensor_parallel=1", "actor.parallel.pipeline_parallel=1",
+            "actor.parallel.data_parallel=null", "critic.parallel.tensor_parallel=1",
+            "critic.parallel.pipeline_parallel=1", "critic.parallel.data_parallel=null", "actor.recompute=full",
+            "critic.recompute=full")
+    shapes = RoleShapes(policy=read_model_shape(LLAMA3_70B))
+    cfg = load_config(REPO / PPO_70B, ["actor.engine=fsdp", *flat])
+    validate(cfg)
+    est = estimate(cfg, shapes, gpu_mem_bytes=80 * GIB)
+    assert not any("start-up" in p for p in est.problems), est.problems
+    assert any(n.startswith("FSDP start-up: each worker process loads the whole model in fp32") and "host memory" in n
+               for n in est.notes), est.notes
+
+
+def test_fsdp_accumulate_unsharded_keeps_the_gathered_model_and_full_gradients_in_the_update() -> None:
+    """actor.fsdp.accumulate_unsharded=true (CPU, fp32): the update holds every layer gathered and the
+    whole model's fp32 gradients (summed over the micro-batches, reduce-scattered once), in place of one
+    gathered layer and one layer's unsharded gradients; the other phases are unchanged."""
+    shape = _smollm2_shape()
+    base = _smollm2_phases("actor.engine=fsdp")
+    acc = _smollm2_phases("actor.engine=fsdp", "actor.fsdp.accumulate_unsharded=true")
+    update = acc["update actor"]
+    layers = update["actor gathered layers: all 30 kept over the micro-batches (accumulate_unsharded, fp32)"]
+    assert layers == 30 * shape.layer_params() * 4
+    grads = update["actor unsharded gradients accumulated over the micro-batches (fp32)"]
+    assert grads == 4 * shape.total_params()
+    assert "actor gathered layer (FSDP all-gather, fp32)" in base["update actor"]
+    assert "actor unsharded gradients before reduce-scatter" not in update
+    others = [p for p in base if p != "update actor"]
+    assert {p: acc[p] for p in others} == {p: base[p] for p in others}

@@ -6,12 +6,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 CONFIG=${DEMO_CONFIG:-configs/grpo_smollm2.yaml}
+RUN_DIR=$(.venv/bin/hpcrl config --skip-path-checks "$CONFIG" "$@" --format json | .venv/bin/python -c \
+  'import json, sys; print(json.load(sys.stdin)["trainer"]["run_dir"])')
+# a fresh demo every time: the run would otherwise resume from its last checkpoint and do nothing (and
+# the checks refuse to resume one written with other settings, e.g. another actor.engine)
+rm -rf -- "$RUN_DIR"
 echo "[demo] config $CONFIG (validated; the run plan follows)"
 .venv/bin/hpcrl plan "$CONFIG" "$@"
-RUN_DIR=$(.venv/bin/hpcrl config "$CONFIG" "$@" --format json | .venv/bin/python -c \
-  'import json, sys; print(json.load(sys.stdin)["trainer"]["run_dir"])')
-# a fresh demo every time: the run would otherwise resume from its last checkpoint and do nothing
-rm -rf -- "$RUN_DIR"
 .venv/bin/hpcrl run "$CONFIG" "$@"
 .venv/bin/python - "$RUN_DIR" <<'PY'
 import json, sys

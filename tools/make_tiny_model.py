@@ -1,6 +1,6 @@
 """Build the tiny random causal LMs + byte-level BPE tokenizer used by tests, fully offline.
 
-Three families, all with 4 query heads / 2 KV heads (GQA, so TP=2 splits both), hidden 128, head
+Four families, all with 4 query heads / 2 KV heads (GQA, so TP=2 splits both), hidden 128, head
 dim 32, and the same tokenizer (built by the same code from the same corpus, so the vocab is
 identical):
 
@@ -8,9 +8,14 @@ identical):
 - qwen3 (models/tiny-qwen3): Qwen3ForCausalLM, 4 layers, q_norm/k_norm, no qkv bias, tied embeddings.
 - qwen3-moe (models/tiny-qwen3-moe): Qwen3MoeForCausalLM, 4 layers, every layer's MLP is 8 experts
   (moe_intermediate_size 64), top-2 routing with norm_topk_prob, untied lm_head.
+- phi3 (models/tiny-phi3): Phi3ForCausalLM, 2 layers, fused qkv_proj and gate_up_proj, untied
+  lm_head. A family the Megatron converter (hpcrl/engines/megatron/model.py read_arch) refuses: for
+  the FSDP engine's tests. vLLM has its own Phi3 model. (OLMo2 was not used: vLLM 0.32 runs it
+  through its Transformers backend, which patches transformers' Olmo2 classes in place and breaks a
+  HF Olmo2 model in the same process, and hpcrl runs vLLM beside the trainer.)
 
-Small enough for multi-rank CPU tests, shaped like the real families; fp32. For qwen3 and qwen3-moe
-every norm weight is perturbed by 0.1 * randn after init (so a conversion that drops q_norm/k_norm
+Small enough for multi-rank CPU tests, shaped like the real families; fp32. For qwen3, qwen3-moe and
+phi3 every norm weight is perturbed by 0.1 * randn after init (so a conversion that drops q_norm/k_norm
 or a layer norm changes the logits), and the qwen3-moe router weights (`mlp.gate.weight`) are
 scaled by 4 so routing is decisive (top-2 vs 3rd logit margins are not tiny); the build prints the
 smallest such margin over a few random prompts.
@@ -25,7 +30,7 @@ as the hub's Qwen3-MoE configs do.
 Deterministic (fixed seeds) and cached: a folder whose stamp (.hpcrl-build.json: family, recipe
 version, hidden size) matches is left alone; a stamp without a family is a qwen2 build.
 
-    python tools/make_tiny_model.py [--family qwen2|qwen3|qwen3-moe] [--out DIR] [--hidden 128] [--force]
+    python tools/make_tiny_model.py [--family qwen2|qwen3|qwen3-moe|phi3] [--out DIR] [--hidden 128] [--force]
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ FAMILIES = {
     "qwen2": {"recipe": 2, "out": "models/tiny-qwen2"},  # 2: max_position_embeddings 4096 (long-sequence tests)
     "qwen3": {"recipe": 1, "out": "models/tiny-qwen3"},
     "qwen3-moe": {"recipe": 1, "out": "models/tiny-qwen3-moe"},
+    "phi3": {"recipe": 1, "out": "models/tiny-phi3"},
 }
 RECIPE_VERSION = FAMILIES["qwen2"]["recipe"]
 
@@ -119,6 +125,32 @@ def qwen3_model(hf_tok, hidden: int, moe: bool):
     return model
 
 
+def perturb_norms(model, seed: int = 1) -> None:
+    """Add 0.1 * randn to every norm weight, so a conversion that drops a norm changes the logits."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+
+def phi3_model(hf_tok, hidden: int):
+    import torch
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    cfg = Phi3Config(vocab_size=len(hf_tok), hidden_size=hidden, intermediate_size=hidden * 4,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     max_position_embeddings=4096, original_max_position_embeddings=4096,
+                     tie_word_embeddings=False, rms_norm_eps=1e-6,
+                     eos_token_id=hf_tok.eos_token_id, bos_token_id=hf_tok.pad_token_id,
+                     pad_token_id=hf_tok.pad_token_id, dtype="float32")
+    model = Phi3ForCausalLM(cfg).to(torch.float32)
+    perturb_norms(model)  # input/post-attention norms and the final norm
+    return model
+
+
 def router_margin(model, vocab: int) -> float:
     """The smallest (2nd - 3rd largest) router logit over a few random prompts and every MoE layer."""
     import torch
@@ -157,6 +189,8 @@ def build(out: Path, hidden: int, family: str = "qwen2") -> None:
 
     if family == "qwen2":
         model = qwen2_model(hf_tok, hidden)
+    elif family == "phi3":
+        model = phi3_model(hf_tok, hidden)
     else:
         model = qwen3_model(hf_tok, hidden, moe=family == "qwen3-moe")
     model.save_pretrained(tmp, safe_serialization=True)

@@ -8,6 +8,8 @@ run would silently train something else than the run it continues:
   - the model's architecture (`ARCH_KEYS` of each model folder's config.json; the checkpoint's
     weights replace the model's, so another folder holding the same architecture, a copy moved to
     another cluster, is accepted and logged);
+  - the training engine of the actor and the critic (actor.engine, critic.engine: a Megatron checkpoint
+    holds Megatron shards, an FSDP one DCP shards; older checkpoints are Megatron's);
   - the loop: algorithm.name, whether a critic trains (algorithm.adv_estimator=gae), LoRA
     (actor.lora.rank / alpha / target_modules: the checkpoint holds adapters or full weights);
   - the prompts and the samples: data.train_files (by file name: a data folder may move), data.seed,
@@ -94,6 +96,12 @@ def _critic(tree: dict[str, Any]) -> bool:
     return _get(tree, "algorithm.adv_estimator") == "gae" and _get(tree, "algorithm.name") != "dpo"
 
 
+def _engine(tree: dict[str, Any], role: str) -> str:
+    """The engine a role trained on (configs from before actor.engine existed: megatron)."""
+    own = _get(tree, f"{role}.engine") if role != "actor" else None
+    return str(own or _get(tree, "actor.engine") or "megatron")
+
+
 def resume_problems(folder: str | Path, cfg: dict[str, Any]) -> list[str]:
     """What in `cfg` (a resolved config as plain data) differs from the checkpoint `folder`'s config
     in a way a resumed run cannot take (the module docstring), each naming the key and both values."""
@@ -106,6 +114,11 @@ def resume_problems(folder: str | Path, cfg: dict[str, Any]) -> list[str]:
     names = [[Path(str(f)).name for f in (_get(t, "data.train_files") or [])] for t in (saved, cfg)]
     if names[0] != names[1]:
         diffs.append(f"data.train_files: {names[0]} in the checkpoint, {names[1]} now (compared by file name)")
+    for role in ("actor", "critic") if _critic(cfg) else ("actor",):
+        there, here = _engine(saved, role), _engine(cfg, role)
+        if there != here:
+            diffs.append(f"{role}.engine: {there!r} in the checkpoint, {here!r} now (each engine loads its own "
+                         "checkpoints)")
     if _critic(saved) != _critic(cfg):
         diffs.append(f"algorithm.adv_estimator: {_get(saved, 'algorithm.adv_estimator')!r} in the checkpoint, "
                      f"{_get(cfg, 'algorithm.adv_estimator')!r} now (a critic trains with gae only)")

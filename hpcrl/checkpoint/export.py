@@ -23,7 +23,7 @@ from hpcrl.checkpoint.files import fsync_dir, fsync_file
 from hpcrl.checkpoint.megatron_state import PARAM, SEP, SavedRole
 
 
-def source_model_path(ckpt: Path, saved: SavedRole, override: str | None = None) -> Path:
+def source_model_path(ckpt: Path, saved: Any, override: str | None = None) -> Path:
     """The HF folder whose config/tokenizer files go with the export: `override`, else model.path
     of config.yaml (relative paths: from the current directory), else the absolute path the writer
     recorded at save time."""
@@ -39,7 +39,7 @@ def source_model_path(ckpt: Path, saved: SavedRole, override: str | None = None)
             path = (cfg.get("model") or {}).get("path")
             if path:
                 candidates.append(Path(path))
-        candidates.append(Path(saved.meta0["model_path"]))
+        candidates.append(Path(saved["model_path"] if isinstance(saved, dict) else saved.meta0["model_path"]))
     for c in candidates:
         if (c / "config.json").is_file():
             return c
@@ -107,9 +107,13 @@ def _publish(tmp: Path, out: Path) -> None:
 def export_peft(ckpt: str | Path, out_dir: str | Path, role: str = "actor", model_path: str | None = None
                 ) -> dict[str, Any]:
     """Write the LoRA adapters of `role` as a PEFT folder (adapter_config.json names the base)."""
+    from hpcrl.checkpoint.fsdp_state import is_fsdp_role
     from hpcrl.engines.megatron.lora import write_peft_folder
 
     ckpt, out = Path(ckpt), Path(out_dir)
+    if is_fsdp_role(ckpt / role):
+        raise ValueError(f"{ckpt / role}: written by the FSDP engine, which trains full weights (no LoRA adapters); "
+                         "export the full weights without --lora")
     saved = SavedRole(ckpt / role)
     if not saved.meta0.get("lora"):
         raise ValueError(f"{ckpt / role}: no LoRA adapters in this checkpoint (actor.lora.rank was 0); "
@@ -135,9 +139,11 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, role: str = "actor", model_
     """Write `role` of the checkpoint folder `ckpt` as a HF folder `out_dir` (which must not exist
     or be empty). The folder appears complete or not at all (written beside it, then renamed).
     A LoRA checkpoint's adapters are merged into the base model's weights."""
-    from safetensors.torch import save_file
+    from hpcrl.checkpoint.fsdp_state import is_fsdp_role
 
     ckpt, out = Path(ckpt), Path(out_dir)
+    if is_fsdp_role(ckpt / role):
+        return _export_fsdp_hf(ckpt, out, role, model_path, max_shard_bytes)
     saved = SavedRole(ckpt / role)
     if saved.value_head:
         raise ValueError(f"{role} has a value head instead of an LM head: export-hf writes LM roles (actor, reference)")
@@ -151,6 +157,35 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, role: str = "actor", model_
         for pp in range(saved.pp):
             for unit in saved.units(pp):
                 yield from saved.unit_hf(PARAM, pp, unit).items()
+
+    total, parts, weight_map = _write_hf_folder(tmp, out, src, tensors(), max_shard_bytes)
+    return {"out": str(out), "files": len(parts), "tensors": len(weight_map), "bytes": total,
+            "model_path": str(src), "step_count": saved.meta0["step_count"], "layout": saved.meta0["layout"]}
+
+
+def _export_fsdp_hf(ckpt: Path, out: Path, role: str, model_path: str | None, max_shard_bytes: int
+                    ) -> dict[str, Any]:
+    """export_hf of a role the FSDP engine saved (hpcrl.checkpoint.fsdp_state): DCP's shards put
+    together into HF-named tensors, in the model's dtype as saved (fp32 shards)."""
+    from hpcrl.checkpoint.fsdp_state import read_meta, saved_hf_tensors
+
+    meta = read_meta(ckpt / role)
+    if meta.get("value_head"):
+        raise ValueError(f"{role} has a value head instead of an LM head: export-hf writes LM roles (actor, reference)")
+    src = source_model_path(ckpt, meta, model_path)
+    tmp = _staging(out)
+    tensors = saved_hf_tensors(ckpt / role)
+    total, parts, weight_map = _write_hf_folder(tmp, out, src, iter(tensors.items()), max_shard_bytes)
+    return {"out": str(out), "files": len(parts), "tensors": len(weight_map), "bytes": total, "model_path": str(src),
+            "step_count": meta["step_count"], "layout": {"tp": 1, "pp": 1, "dp": meta["dp"], "engine": "fsdp"}}
+
+
+def _write_hf_folder(tmp: Path, out: Path, src: Path, tensors: Any, max_shard_bytes: int
+                     ) -> tuple[int, list[list[str]], dict[str, str]]:
+    """Write (name, tensor) pairs as safetensors parts of at most ~max_shard_bytes into `tmp`, with the
+    index and the source folder's other files, then publish `tmp` as `out`."""
+    from safetensors.torch import save_file
+
     parts: list[list[str]] = []
     bucket: dict[str, Any] = {}
     size = 0
@@ -166,7 +201,7 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, role: str = "actor", model_
         bucket, size = {}, 0
 
     try:
-        for name, t in tensors():
+        for name, t in tensors:
             bucket[name] = t.clone()  # split q/k/v may share storage; safetensors refuses that
             n = t.numel() * t.element_size()
             size += n
@@ -188,5 +223,4 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, role: str = "actor", model_
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return {"out": str(out), "files": len(parts), "tensors": len(weight_map), "bytes": total,
-            "model_path": str(src), "step_count": saved.meta0["step_count"], "layout": saved.meta0["layout"]}
+    return total, parts, weight_map

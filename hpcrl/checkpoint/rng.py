@@ -75,8 +75,9 @@ def read_rng_file(path: Path) -> dict[str, Any]:
 def reseed_rng(seed: int, step: int, rank: int) -> None:
     """Deterministic fresh RNG streams after a layout change, where saved per-rank streams have no
     meaning: Python and NumPy from (seed, step, rank); torch and megatron's tracker as a fresh
-    start with seed + step does it (the same on all ranks, the tracker offset per TP rank)."""
-    from megatron.core import tensor_parallel
+    start with seed + step does it (the same on all ranks, the tracker offset per TP rank). Without
+    megatron's parallel state (every role on the FSDP engine) there is no tracker to seed."""
+    from megatron.core import parallel_state, tensor_parallel
 
     r = rank_seed(seed, step, rank)
     random.seed(r)
@@ -86,7 +87,8 @@ def reseed_rng(seed: int, step: int, rank: int) -> None:
     except ImportError:
         pass
     torch.manual_seed(r)
-    tensor_parallel.model_parallel_cuda_manual_seed((seed + step) % (2**31))
+    if parallel_state.model_parallel_is_initialized():
+        tensor_parallel.model_parallel_cuda_manual_seed((seed + step) % (2**31))
 
 
 def rng_blob(rank: int, world_size: int, state: dict[str, Any]) -> bytes:

@@ -127,6 +127,26 @@ def kl_loss_active(cfg: Any) -> bool:
     return bool(actor["use_kl_loss"]) and float(actor["kl_loss_coef"]) != 0.0
 
 
+def role_engine(cfg: Any, role: str) -> str:
+    """megatron | fsdp: the training engine a role runs on (its `engine`, default the actor's); cfg is
+    the config or its plain-dict form."""
+    own = cfg[role]["engine"] if role != "actor" else None
+    return own or cfg["actor"]["engine"]
+
+
+def engine_summary(cfg: DictConfig) -> str:
+    """The actor's engine in words, for logs: Megatron with its parallel section, or FSDP2."""
+    if cfg.actor.engine == "fsdp":
+        return "FSDP2 over the HF model, data parallel"
+    return f"Megatron {dict(cfg.actor.parallel)}"
+
+
+def engine_roles(cfg: DictConfig) -> dict[str, str]:
+    """The enabled model roles and the engine each runs on."""
+    roles = ["actor"] + (["critic"] if critic_enabled(cfg) else []) + (["reference"] if reference_enabled(cfg) else [])
+    return {role: role_engine(cfg, role) for role in roles}
+
+
 def role_parallel(cfg: DictConfig, role: str) -> Any:
     """The `parallel` section a Megatron role runs with: its own, or the actor's when it is null."""
     if role == "actor":

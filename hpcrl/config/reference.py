@@ -103,7 +103,7 @@ def _default_text(value: Any) -> str:
 
 def _allowed(key: str) -> str:
     if key in CHOICES:
-        return " \\| ".join(CHOICES[key])
+        return " \\| ".join("null" if c is None else c for c in CHOICES[key])
     if key in RANGES:
         lo, hi, lo_inclusive = RANGES[key]
         parts = []

@@ -103,9 +103,29 @@ class MoeConfig:
 
 
 @dataclass
-class ActorConfig:
-    """Policy trainer (Megatron-core) and its PPO-family update."""
+class FsdpConfig:
+    """Options of the FSDP2 engine (`actor.engine=fsdp`, hpcrl/engines/fsdp): for every role it runs."""
 
+    # GPU: parameters, gradients and optimizer state in host memory between uses (torch's
+    # CPUOffloadPolicy); on CPU they are there already (no effect).
+    cpu_offload: bool = False
+    # Free each layer's gathered parameters after its forward (ZeRO-3); false keeps them to the backward
+    # (ZeRO-2: more memory, one all-gather fewer per layer).
+    reshard_after_forward: bool = True
+    # Between the micro-batches of one optimizer step keep every layer's gathered parameters and the
+    # unsharded gradients (one all-gather and one reduce-scatter per step instead of per micro-batch):
+    # DDP's communication for a full copy of the model and of its gradients per worker.
+    accumulate_unsharded: bool = False
+
+
+@dataclass
+class ActorConfig:
+    """Policy trainer (Megatron-core, or FSDP2 over the HF model) and its PPO-family update."""
+
+    # megatron: Megatron-core (TP x PP x CP x EP x DP; Llama/Qwen2/Qwen3/Qwen3-MoE families) | fsdp:
+    # FSDP2 over the transformers model (any causal LM transformers builds; data parallel only)
+    engine: str = "megatron"
+    fsdp: FsdpConfig = field(default_factory=FsdpConfig)  # the FSDP engine's options
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     # Samples per optimizer step; a step's rollout batch is split into several mini-batches.
@@ -168,6 +188,7 @@ class CriticConfig:
     """Value model for GAE. `enable: null` means: on exactly when the estimator needs it (gae)."""
 
     enable: bool | None = None  # true | false | null (on for adv_estimator gae)
+    engine: str | None = None  # megatron | fsdp; null: the actor's
     # Defaults to model.path (value head initialised fresh).
     model_path: str | None = None
     # Defaults to the actor's layout: the critic is colocated with the actor.
@@ -190,6 +211,7 @@ class ReferenceConfig:
     """Frozen reference policy for the KL term. `enable: null`: on when a KL term is used."""
 
     enable: bool | None = None  # true | false | null (on when a KL term is used)
+    engine: str | None = None  # megatron | fsdp; null: the actor's
     # Defaults to the actor's layout: the reference is colocated with the actor.
     parallel: ParallelConfig | None = None
 

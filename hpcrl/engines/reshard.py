@@ -263,11 +263,17 @@ def stream_hf_weights(engine: MegatronEngine, bucket_bytes: int, stats: ReshardS
 
 
 def reshard_to_rollout(engine: MegatronEngine, rollout: Any, bucket_bytes: int = 64 << 20) -> ReshardStats:
-    """Push the trainer's current weights into this rank's rollout engine, in place (collective)."""
+    """Push the trainer's current weights into this rank's rollout engine, in place (collective).
+    The FSDP engine's weights come through hpcrl.engines.fsdp.weights."""
     stats = ReshardStats()
     dist.barrier()  # time the sync, not the wait for the slowest rank's previous work
     t0 = time.perf_counter()
-    rollout.load_weights(stream_hf_weights(engine, bucket_bytes, stats))
+    if getattr(engine, "kind", "megatron") == "fsdp":
+        from hpcrl.engines.fsdp.weights import stream_fsdp_weights
+
+        rollout.load_weights(stream_fsdp_weights(engine, bucket_bytes, stats))
+    else:
+        rollout.load_weights(stream_hf_weights(engine, bucket_bytes, stats))
     dist.barrier()
     stats.seconds = time.perf_counter() - t0
     return stats
@@ -275,6 +281,8 @@ def reshard_to_rollout(engine: MegatronEngine, rollout: Any, bucket_bytes: int =
 
 def naive_reshard(engine: MegatronEngine, rollout: Any) -> ReshardStats:
     """Baseline: gather the full HF state dict on world rank 0, broadcast it whole, reload it all."""
+    if getattr(engine, "kind", "megatron") == "fsdp":
+        raise ValueError("naive_reshard is the Megatron engine's benchmark baseline; the FSDP engine has none")
     stats = ReshardStats()
     dist.barrier()
     t0 = time.perf_counter()

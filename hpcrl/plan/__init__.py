@@ -13,6 +13,9 @@
 - `moe.py`: an MoE model's terms: the experts on one GPU under expert parallel (EP ranks carved from
   DP x CP, expert TP = TP), their optimizer state cut over the expert-DP ranks, the all-to-all token
   dispatcher's buffers; the EP checks and choices the plan and its suggestions use.
+- `fsdp.py`: a role on the FSDP engine (actor.engine=fsdp): fp32 shards over DP (the masters),
+  gradient shards, Adam moments, the gathered units, activations of the HF decoder with padded
+  micro-batches, the reshard's full tensors; memory.py puts them where a Megatron role's terms are.
 - `report.py`: what `hpcrl plan` prints after the layouts (table, peak, verdict, what to change),
   its options (--nodes, --gpus-per-node, --gpu-mem, --model-config, --compare) and exit statuses,
   and the comparison with the peaks a run measured (metrics.jsonl).

@@ -17,7 +17,8 @@ bucket (hpcrl.engines.transfer); a rollout worker (`estimate_rollout_worker`) ha
 the rollout phase and while it receives the weights.
 
 An MoE model's experts, their optimizer state and the token dispatcher's buffers are terms of
-`moe.py`, added where the dense ones are. The tokens of a micro-batch, the activations of one layer,
+`moe.py`, added where the dense ones are; a role on the FSDP engine (actor.engine=fsdp) is `fsdp.py`'s
+`FsdpRole`, whose terms take the place of a Megatron role's. The tokens of a micro-batch, the activations of one layer,
 the logits and vLLM's activation reserve and default CPU KV cache are `activations.py`'s; this module
 adds them up with the weights and optimizer state of each role, phase by phase.
 
@@ -35,8 +36,8 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig
 
 from hpcrl.config import is_dpo, role_layouts, rollout_layout
-from hpcrl.config.derived import Layout, is_split
-from hpcrl.plan import moe
+from hpcrl.config.derived import Layout, is_split, role_engine
+from hpcrl.plan import fsdp, moe
 from hpcrl.plan.activations import (
     CPU_KV_BLOCK_TOKENS,
     GB,
@@ -158,6 +159,7 @@ class Estimate:
     recompute: str = "none"  # the actor's
     # "worker" (colocated: every worker), or the split placement's "trainer worker" / "rollout worker"
     kind: str = "worker"
+    engine: str = "megatron"  # the actor's (fsdp.py plans the FSDP engine's roles)
 
     @property
     def peak(self) -> Phase:
@@ -244,7 +246,11 @@ def _role(name: str, shape: ModelShape, lay: Layout, stage: int, run: _Run, trai
                  if experts else None)
 
 
-def _add_role(phase: Phase, role: _Role, dtype: str, offloaded: bool = False, with_step_grads: bool = False) -> None:
+def _add_role(phase: Phase, role: _Role | fsdp.FsdpRole, dtype: str, offloaded: bool = False,
+              with_step_grads: bool = False) -> None:
+    if isinstance(role, fsdp.FsdpRole):
+        role.add_to(phase, with_step_grads)
+        return
     if offloaded:
         return
     phase.add(f"{role.name} weights ({dtype})", role.weights)
@@ -364,14 +370,18 @@ def _stage_estimate(run: _Run, stage: int, engines: bool = True) -> tuple[list[P
 
         adapters = lora_shard_params(policy, lora.rank, resolve_targets(list(lora.target_modules)), tp, pp)
     ep = {role: moe.expert_parallel(cfg, role, lay) for role, lay in run.layouts.items()}
-    actor = _role("actor", policy, actor_lay, stage, run, True, ep=ep["actor"],
-                  shard_over_dp=cfg.actor.optim.shard_over_dp, adapters=adapters)
-    others: list[_Role] = []
+    actor: _Role | fsdp.FsdpRole = fsdp.fsdp_role(run, "actor", policy, True) if fsdp.on_fsdp(cfg, "actor") else \
+        _role("actor", policy, actor_lay, stage, run, True, ep=ep["actor"],
+              shard_over_dp=cfg.actor.optim.shard_over_dp, adapters=adapters)
+    others: list[_Role | fsdp.FsdpRole] = []
     if "critic" in run.layouts:
-        others.append(_role("critic", critic_shape, run.layouts["critic"], stage, run, True, head="value",
-                            ep=ep["critic"], shard_over_dp=cfg.critic.optim.shard_over_dp))
+        others.append(fsdp.fsdp_role(run, "critic", critic_shape, True, head="value") if fsdp.on_fsdp(cfg, "critic")
+                      else _role("critic", critic_shape, run.layouts["critic"], stage, run, True, head="value",
+                                 ep=ep["critic"], shard_over_dp=cfg.critic.optim.shard_over_dp))
     if "reference" in run.layouts and not lora.rank:
-        others.append(_role("reference", policy, run.layouts["reference"], stage, run, False, ep=ep["reference"]))
+        others.append(fsdp.fsdp_role(run, "reference", policy, False) if fsdp.on_fsdp(cfg, "reference")
+                      else _role("reference", policy, run.layouts["reference"], stage, run, False, ep=ep["reference"]))
+    fsdp_roles = {r.name: r for r in [actor, *others] if isinstance(r, fsdp.FsdpRole)}
     if shapes.reward_model is not None:
         others.append(_role("reward model", shapes.reward_model, actor_lay, stage, run, False, head="value",
                             ep=ep["actor"]))
@@ -396,7 +406,10 @@ def _stage_estimate(run: _Run, stage: int, engines: bool = True) -> tuple[list[P
     reshard = Phase("reshard")
     resident(reshard)
     reshard.add(vllm_label, run.vllm_weights)
-    reshard.add("reshard bucket + converted copy", 2 * run.bucket)
+    if isinstance(actor, fsdp.FsdpRole):
+        actor.add_reshard(reshard, int(cfg.rollout.weight_bucket_mb))
+    else:
+        reshard.add("reshard bucket + converted copy", 2 * run.bucket)
     reshard.add(runtime_label, runtime_bytes)
     phases = [] if dpo else [rollout, reshard]
     if not engines:
@@ -411,28 +424,37 @@ def _stage_estimate(run: _Run, stage: int, engines: bool = True) -> tuple[list[P
             phases.append(transfer)
 
     forwards = []  # the peak of each forward the step runs (one role at a time)
-    if run.actor_forward or "reference" in run.layouts:
+    if (run.actor_forward and "actor" not in fsdp_roles) or ("reference" in run.layouts
+                                                             and "reference" not in fsdp_roles):
         logits = logits_bytes(run.local_tokens("actor"), vocab_shard, run.dtype_bytes, entropy=False) if last else 0
         forwards.append(run.working("actor", policy) + logits)
-    if "critic" in run.layouts:
+    if "critic" in run.layouts and "critic" not in fsdp_roles:
         forwards.append(run.working("critic", critic_shape))
     if shapes.reward_model is not None:
         forwards.append(run.working("actor", shapes.reward_model))
+    # the FSDP roles' forwards: (working set + logits, gathered units)
+    fsdp_forwards = [r.forward_terms(run) for r in fsdp_roles.values() if r.name != "actor" or run.actor_forward]
+    forwards += [w for w, _ in fsdp_forwards]
     if forwards:
         fwd = Phase("forward")
         resident(fwd)
         fwd.add("working set of one layer (+ logits)", max(forwards))
+        fwd.add(fsdp.FORWARD_GATHERED_LABEL.format(dtype=run.dtype), max((g for _, g in fsdp_forwards), default=0))
         fwd.add(runtime_label, runtime_bytes)
         phases.append(fwd)
 
     update = Phase("update actor")
     resident(update, step_grads_of="actor")
-    kept, in_flight = run.stored_activations("actor", policy, stage)
-    routed = run.kept_dispatch("actor", policy, in_flight)
-    update.add("activations kept for backward", kept - routed)
-    update.add(moe.DISPATCH_LABEL, routed)
-    update.add("working set of one layer", run.working("actor", policy))
-    if last:
+    in_flight = 1
+    if isinstance(actor, fsdp.FsdpRole):
+        actor.add_update(update, run)
+    else:
+        kept, in_flight = run.stored_activations("actor", policy, stage)
+        routed = run.kept_dispatch("actor", policy, in_flight)
+        update.add("activations kept for backward", kept - routed)
+        update.add(moe.DISPATCH_LABEL, routed)
+        update.add("working set of one layer", run.working("actor", policy))
+    if last and not isinstance(actor, fsdp.FsdpRole):
         entropy = float(cfg.actor.entropy_coeff) != 0.0
         update.add("logits at response positions", logits_bytes(run.local_tokens("actor"), vocab_shard,
                                                                  run.dtype_bytes, entropy))
@@ -441,11 +463,14 @@ def _stage_estimate(run: _Run, stage: int, engines: bool = True) -> tuple[list[P
     if "critic" in run.layouts:
         critic_update = Phase("update critic")
         resident(critic_update, step_grads_of="critic")
-        kept, critic_in_flight = run.stored_activations("critic", critic_shape, stage)
-        routed = run.kept_dispatch("critic", critic_shape, critic_in_flight)
-        critic_update.add("activations kept for backward", kept - routed)
-        critic_update.add(moe.DISPATCH_LABEL, routed)
-        critic_update.add("working set of one layer", run.working("critic", critic_shape))
+        if "critic" in fsdp_roles:
+            fsdp_roles["critic"].add_update(critic_update, run)
+        else:
+            kept, critic_in_flight = run.stored_activations("critic", critic_shape, stage)
+            routed = run.kept_dispatch("critic", critic_shape, critic_in_flight)
+            critic_update.add("activations kept for backward", kept - routed)
+            critic_update.add(moe.DISPATCH_LABEL, routed)
+            critic_update.add("working set of one layer", run.working("critic", critic_shape))
         critic_update.add(runtime_label, runtime_bytes)
         phases.append(critic_update)
 
@@ -455,7 +480,8 @@ def _stage_estimate(run: _Run, stage: int, engines: bool = True) -> tuple[list[P
     step = Phase("optimizer step")
     biggest = max([actor] + [r for r in others if r.trains], key=lambda r: r.params)
     resident(step, step_grads_of=biggest.name)
-    step.add("optimizer temporaries", _largest_tensor_params(policy, tp) * 4)
+    step.add("optimizer temporaries", biggest.optimizer_temporaries() if isinstance(biggest, fsdp.FsdpRole)
+             else _largest_tensor_params(policy, tp) * 4)
     step.add(runtime_label, runtime_bytes)
     phases.append(step)
 
@@ -466,6 +492,7 @@ def _stage_estimate(run: _Run, stage: int, engines: bool = True) -> tuple[list[P
         pinned = {} if dpo else {
             "actor trainer state while generating (actor.offload)": actor.resident * per_node if run.offload else 0,
             "vLLM weights while training (sleep level 1)": run.vllm_weights * per_node}
+        pinned.update(fsdp.host_pinned([actor, *others], per_node))
         # vLLM is built right after the actor (before the reference and the critic) and checks that
         # its whole share is free (vllm.v1.worker.utils.request_memory); Adam's moments do not exist
         # yet then (torch allocates them at the first step)
@@ -541,8 +568,9 @@ def _prepare(cfg: DictConfig, shapes: RoleShapes, gpu_mem_bytes: int | None) -> 
                # the reshard moves whole conversion units up to rollout.weight_bucket_mb, received as one
                # flat buffer and converted into a second copy (hpcrl.engines.reshard)
                bucket=max(int(cfg.rollout.weight_bucket_mb) << 20, largest_reshard_unit_params(policy) * dtype_bytes),
-               # the split placement's trainer never gives the device away: nothing to offload for
-               offload=gpu and bool(cfg.actor.offload) and not is_split(cfg),
+               # the split placement's trainer never gives the device away: nothing to offload for; the
+               # FSDP engine does not offload (its actor.fsdp.cpu_offload keeps the shards on the host)
+               offload=gpu and bool(cfg.actor.offload) and not is_split(cfg) and not fsdp.on_fsdp(cfg, "actor"),
                actor_forward=cfg.actor.old_logprob == "recompute" or (cfg.actor.old_logprob == "auto"
                                                                       and not on_policy),
                gpu_mem_bytes=gpu_mem_bytes)
@@ -575,9 +603,12 @@ def estimate(cfg: DictConfig, shapes: RoleShapes, gpu_mem_bytes: int | None = No
     for stage in sorted({0, pp - 1}):
         phases, in_flight, stage_problems, pinned = _stage_estimate(run, stage, engines=not split)
         problems += [p for p in stage_problems if p not in problems]  # a check failing on any stage counts
+        engine = role_engine(cfg, "actor")
         est = Estimate(device=run.device, dtype=run.dtype, stage=stage, pipeline_stages=pp, phases=phases, kv=kv,
                        capacity_bytes=None, capacity_source="", host_pinned_per_node=pinned,
-                       micro_batches_in_flight=in_flight, micro_batch_tokens=run.tokens("actor"),
+                       micro_batches_in_flight=in_flight, engine=engine,
+                       micro_batch_tokens=fsdp.micro_batch_tokens(cfg, "actor", run.seq_len) if engine == fsdp.ENGINE
+                       else run.tokens("actor"),
                        kind="trainer worker" if split else "worker", actor_layout=run.layouts["actor"],
                        recompute=run.recompute("actor"))
         if best is None or est.peak.total > best.peak.total:
@@ -585,7 +616,8 @@ def estimate(cfg: DictConfig, shapes: RoleShapes, gpu_mem_bytes: int | None = No
     assert best is not None
     best.problems = problems
     _set_capacity(best, cfg, gpu_mem_bytes, host_mem_bytes, host_mem_source)
-    if run.gpu and not run.offload and not split:
+    best.notes += fsdp.notes(run)
+    if run.gpu and not run.offload and not split and best.engine != fsdp.ENGINE:
         best.notes.append("actor.offload=false: the plan keeps the actor's trainer state on the GPU while vLLM "
                           "generates (the code today offloads it on every GPU run: "
                           "hpcrl.workers.actor_rollout enter_rollout)")

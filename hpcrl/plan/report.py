@@ -22,7 +22,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from hpcrl.config import ConfigError, critic_enabled, role_layouts, validate, world_size
-from hpcrl.config.derived import is_split, trainer_world_size
+from hpcrl.config.derived import engine_roles, is_split, trainer_world_size
+from hpcrl.plan import fsdp
 from hpcrl.plan.activations import GB, GIB, plan_device
 from hpcrl.plan.memory import PHASE_MEANING, Estimate, RoleShapes, estimate, estimate_rollout_worker
 from hpcrl.plan.moe import experts_line
@@ -223,7 +224,7 @@ def host_memory(cfg: DictConfig) -> tuple[int | None, str]:
 
 # -- the table ------------------------------------------------------------------------------------
 ROW_GROUPS = ("actor ", "critic ", "reference ", "reward model ", "vLLM ", "reshard ", "transfer ", "received ",
-              "activations ", "working ", "logits ", "grad ")
+              "activations ", "working ", "gathered ", "logits ", "grad ")
 
 
 def _row_rank(label: str) -> int:
@@ -251,7 +252,8 @@ def format_estimate(est: Estimate) -> list[str]:
     for label in labels:
         lines.append(f"  {label:<{width}}" + "".join(f"{_cell(p.terms.get(label), unit):>11}" for p in est.phases))
     lines.append(f"  {'total':<{width}}" + "".join(f"{p.total / unit:>11.2f}" for p in est.phases))
-    lines.append("  (" + "; ".join(f"{COLUMN[p.name]}: {PHASE_MEANING[p.name]}" for p in est.phases) + ")")
+    meaning = {**PHASE_MEANING, **(fsdp.PHASE_MEANING if est.engine == fsdp.ENGINE else {})}
+    lines.append("  (" + "; ".join(f"{COLUMN[p.name]}: {meaning[p.name]}" for p in est.phases) + ")")
     peak = est.peak
     if est.capacity_bytes:
         spare = est.capacity_bytes - peak.total
@@ -433,9 +435,12 @@ def memory_plan(cfg: DictConfig, args: argparse.Namespace, change: ClusterChange
                                            else "; fp32 gradients while updating") + "; Adam moments 2 x fp32"
                  + (f"; masters and moments cut over the actor's {over} ranks (actor.optim.shard_over_dp)"
                     if cfg.actor.optim.shard_over_dp and lay.dp * lay.cp > 1 else ""))
-    print(f"precision   {precision}")
-    print(f"activations {activation_line(est)}")
-    if shapes.policy.is_moe:
+    if not fsdp.on_fsdp(cfg, "actor"):
+        print(f"precision   {precision}")
+    if fsdp.ENGINE in engine_roles(cfg).values():
+        print(f"precision   {fsdp.precision_line(cfg, est.dtype, est.device)}")
+    print(f"activations {fsdp.activation_line(est, cfg) if est.engine == fsdp.ENGINE else activation_line(est)}")
+    if shapes.policy.is_moe and est.engine != fsdp.ENGINE:
         print(f"experts     {experts_line(cfg, shapes.policy, est, *_units(est))}")
     status = EXIT_FITS
     for kind_est, planner, ranks in kinds:

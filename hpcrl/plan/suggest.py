@@ -27,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hpcrl.config import ConfigError, critic_enabled, reference_enabled, role_layouts, validate, world_size
 from hpcrl.config.derived import token_multiple, trainer_world_size
+from hpcrl.plan import fsdp
 from hpcrl.plan.activations import GB, GIB, RECOMPUTE_MODES
 from hpcrl.plan.memory import Estimate, RoleShapes, estimate
 from hpcrl.plan.moe import expert_parallel, expert_parallel_choices
@@ -236,8 +237,11 @@ def suggest(cfg: DictConfig, est: Estimate, shapes: RoleShapes, gpu_mem: int | N
         r = attempt(token_changes(tokens), "micro-batch")
         if r is not None and r.fits:
             break
-    if est.device == "gpu" and not cfg.actor.offload:
+    on_fsdp = fsdp.on_fsdp(cfg, "actor")
+    if est.device == "gpu" and not cfg.actor.offload and not on_fsdp:
         attempt({"actor.offload": True}, "offload")
+    for changes, kind in fsdp.suggestions(cfg, est.device):  # the FSDP engine's own keys
+        attempt(changes, kind)
     if est.device == "gpu":
         util = round(cfg.rollout.gpu_memory_utilization - 0.05, 2)
         while util >= 0.05:
@@ -264,9 +268,13 @@ def suggest(cfg: DictConfig, est: Estimate, shapes: RoleShapes, gpu_mem: int | N
         return out
     # nothing alone: the smallest CP with the cheapest recompute (and sequence parallel) that fits,
     # with the actor offloaded while vLLM generates when that is what it takes (GPU)
-    offload = [{"actor.offload": True}] if est.device == "gpu" and not cfg.actor.offload else []
+    offload_key = "actor.fsdp.cpu_offload" if on_fsdp else "actor.offload"
+    offload = [{offload_key: True}] if est.device == "gpu" and not OmegaConf.select(cfg, offload_key) else []
     most_ep = [_parallel_changes(cfg, {"expert_parallel": eps[-1]}, moves_dp=False)] if eps else []
-    for extra in [{}, *most_ep, *offload, *[{**e, **o} for e in most_ep for o in offload]]:
+    # the FSDP engine's reshard_after_forward=true, alone and with its offload (none on Megatron)
+    fixes = [c for c, _ in fsdp.suggestions(cfg, est.device) if offload_key not in c]
+    for extra in [{}, *most_ep, *offload, *[{**e, **o} for e in most_ep for o in offload],
+                  *fixes, *[{**f, **o} for f in fixes for o in offload]]:
         for c in [cp] + cps:
             for mode in [current] + modes:
                 changes = {**sp_on, **(_cp_changes(cfg, c) if c != cp else {}),
@@ -285,6 +293,11 @@ def suggest(cfg: DictConfig, est: Estimate, shapes: RoleShapes, gpu_mem: int | N
                 return [_describe_try(_with_valid_budgets(cfg, changes, shape.is_moe), r)
                         + " (no single change fits)"]
     closest = sorted(tried, key=lambda crk: crk[1].peak.total)[:3]
+    if on_fsdp:
+        return [_describe_try(c, r) for c, r, _ in closest] + [
+            "nothing tried fits: use GPUs with more memory, more nodes (the FSDP engine cuts weights, gradients and "
+            "optimizer state over every DP rank; a rank's activations, gathered units and logits, and the whole fp32 "
+            "model it loads at start-up, do not shrink with DP), or actor.engine=megatron (TP x PP cut the layers)"]
     return [_describe_try(c, r) for c, r, _ in closest] + [
         "nothing tried fits: use GPUs with more memory, or more nodes with a larger TP x PP x CP; more nodes alone "
         "do not help (per-GPU memory does not depend on DP beyond the optimizer state actor.optim.shard_over_dp "

@@ -37,6 +37,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from hpcrl.algos.dpo import dpo_metrics
+from hpcrl.config.derived import engine_summary
 from hpcrl.controller import WorkerGroup
 from hpcrl.controller.batch import Batch
 from hpcrl.data import PreferenceDataset, PreferencePair, ShuffledSampler, iterate_batches
@@ -102,8 +103,8 @@ class DPOTrainer:
         self._val_ref: torch.Tensor | None = None
 
         t = time.perf_counter()
-        log.info("building the actor and reference groups (Megatron %s): DPO, beta %g, loss %s",
-                 dict(cfg.actor.parallel), self.dpo.beta, self.dpo.loss_type)
+        log.info("building the actor and reference groups (%s): DPO, beta %g, loss %s",
+                 engine_summary(cfg), self.dpo.beta, self.dpo.loss_type)
         self.actor = WorkerGroup(MegatronRole, init_kwargs={"cfg": self.plain, "role": "actor"}, name="actor")
         # with LoRA the reference is the actor's frozen base, adapters off (no second copy)
         self.reference = (FrozenBase(self.actor) if cfg.actor.lora.rank else

@@ -43,7 +43,7 @@ from hpcrl.algos.kl_control import make_kl_controller
 from hpcrl.algos.losses import kl_estimate, truncated_is_weights
 from hpcrl.algos.sampling import groups_with_signal, overlong_penalty
 from hpcrl.config import critic_enabled, reference_enabled
-from hpcrl.config.derived import rollout_mode, staleness_depth
+from hpcrl.config.derived import engine_summary, rollout_mode, staleness_depth
 from hpcrl.controller import WorkerGroup
 from hpcrl.controller.batch import Batch
 from hpcrl.data import PromptDataset, PromptRow, ShuffledSampler, iterate_batches
@@ -128,8 +128,8 @@ class PPOTrainer:
         self.step = 0  # optimizer steps of the loop done so far (the step counter of checkpoints)
 
         t = time.perf_counter()
-        log.info("building the actor and rollout groups (%s placement, Megatron %s, vLLM rollout TP=%d)",
-                 cfg.trainer.placement, dict(cfg.actor.parallel), cfg.rollout.tensor_parallel)
+        log.info("building the actor and rollout groups (%s placement, %s, vLLM rollout TP=%d)",
+                 cfg.trainer.placement, engine_summary(cfg), cfg.rollout.tensor_parallel)
         self.placement = make_placement(self.plain)
         self.actor = self.placement.actor
         on = self.placement.trainer_ranks  # the other roles live with the actor
@@ -162,7 +162,8 @@ class PPOTrainer:
                 pools=self.placement.pools)
         self.dp_size = self.actor.layout.dp_size
         where = self.actor.describe()
-        layout = (f"TP={where['tp']} PP={where['pp']}" + (f" CP={where['cp']}" if where["cp"] > 1 else "")
+        layout = ("FSDP " if where["engine"] == "fsdp" else "") + (
+                  f"TP={where['tp']} PP={where['pp']}" + (f" CP={where['cp']}" if where["cp"] > 1 else "")
                   + (f" EP={where['ep']}" if where["ep"] > 1 else "")
                   + f" DP={where['dp']}" + (" SP" if where["sequence_parallel"] else "")
                   + (f", MoE {where['experts']} experts" if where["experts"] else "")

@@ -27,7 +27,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from hpcrl.config import ConfigError
-from hpcrl.config.derived import cp_padded_length, is_dpo, role_layouts, trainer_world_size
+from hpcrl.config.derived import cp_padded_length, engine_roles, is_dpo, role_layouts, trainer_world_size
 from hpcrl.config.validate import ENTRY_POINT, dotted_value, value_problems
 
 
@@ -39,7 +39,9 @@ def preflight(cfg: DictConfig, check_paths: bool = True) -> None:
     _check_multi_turn_registry(cfg, check_paths, problems)
     if check_paths:
         hf = _check_paths(cfg, problems)
-        if hf is not None and _check_architecture("model.path", cfg.model.path, hf, problems):
+        # the Megatron engine converts the families it knows; the FSDP engine builds what transformers builds
+        check = (_check_architecture if "megatron" in engine_roles(cfg).values() else _check_transformers_builds)
+        if hf is not None and check("model.path", cfg.model.path, hf, problems):
             _check_model_shape(cfg, hf, problems)
             _check_experts(cfg, hf, problems)
             _check_lora_moe_targets(cfg, hf, problems)
@@ -183,8 +185,27 @@ def _check_architecture(key: str, path: str, hf: dict[str, Any], problems: list[
     if arch in SUPPORTED:
         return True
     problems.append(f"{key}={path!r}: architecture {arch!r} (config.json's architectures) is not one hpcrl "
-                    f"converts: {', '.join(sorted(SUPPORTED))}.")
+                    f"converts: {', '.join(sorted(SUPPORTED))}. Or set actor.engine=fsdp (the FSDP engine builds any "
+                    "causal LM transformers builds).")
     return False
+
+
+def _check_transformers_builds(key: str, path: str, hf: dict[str, Any], problems: list[str]) -> bool:
+    """The FSDP engine builds the model with transformers' AutoModelForCausalLM: its config must name
+    a causal LM transformers knows."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as e:
+        problems.append(f"{key}={path!r}: transformers cannot read its config.json ({str(e).splitlines()[0]}); the "
+                        "FSDP engine builds the model with transformers.")
+        return False
+    if type(config) not in AutoModelForCausalLM._model_mapping:
+        problems.append(f"{key}={path!r}: model_type {hf.get('model_type')!r} is not a causal LM transformers "
+                        "builds (AutoModelForCausalLM); the FSDP engine needs one.")
+        return False
+    return True
 
 
 def _check_experts(cfg: DictConfig, hf: dict[str, Any], problems: list[str]) -> None:

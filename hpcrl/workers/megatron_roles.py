@@ -1,4 +1,5 @@
-"""Megatron-core roles as worker-group objects: actor, reference and critic.
+"""Model roles as worker-group objects: actor, reference and critic, on the Megatron-core engine or
+the FSDP engine (`actor.engine`, docs/fsdp.md).
 
 The controller writes `lp = actor.compute_logprob(batch)`: the batch is cut into DP shards, every
 TP/PP rank of a shard runs the method, and the output of TP rank 0 on the last pipeline stage of
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 
 from hpcrl.algos.losses import kl_estimate, ppo_policy_loss, value_loss
-from hpcrl.config.derived import kl_loss_active
+from hpcrl.config.derived import kl_loss_active, role_engine
 from hpcrl.controller import Collect, Dispatch, Worker, register
 from hpcrl.controller.batch import Batch
 from hpcrl.engines.megatron.engine import EngineOptions, MegatronEngine, OptimSettings, init_model_parallel
@@ -71,18 +72,44 @@ def _gloo_threads() -> int:
 
 
 class MegatronRole(Worker):
-    """One rank of a Megatron role. `role` is actor, reference or critic; `cfg` the resolved config
-    (a plain dict, as it travels from the controller)."""
+    """One rank of a model role: `role` is actor, reference or critic; `cfg` the resolved config (a plain
+    dict, as it travels from the controller). The role's `engine` key picks the Megatron engine or the
+    FSDP engine (hpcrl.engines.fsdp); the methods below are the same for both."""
 
-    def __init__(self, cfg: dict[str, Any], role: str = "actor", model_path: str | None = None):
+    def __init__(self, cfg: dict[str, Any], role: str = "actor", model_path: str | None = None,
+                 ranks: list[int] | None = None):
         self.role = role
         self.cfg = cfg
         section = cfg[role]
+        trains = role in ("actor", "critic")
+        optim = None
+        if trains:
+            o = section["optim"]
+            n_mini = max(cfg["data"]["train_batch_size"] * cfg["rollout"]["n"] // section["ppo_mini_batch_size"], 1)
+            optim = OptimSettings(lr=o["lr"], min_lr=o["min_lr"], lr_schedule=o["lr_schedule"],
+                                  warmup_steps=o["warmup_steps"], weight_decay=o["weight_decay"],
+                                  betas=(o["adam_beta1"], o["adam_beta2"]), eps=o["adam_eps"],
+                                  clip_grad=o["clip_grad"], shard_over_dp=o["shard_over_dp"],
+                                  total_steps=cfg["trainer"]["total_steps"] * n_mini * section["ppo_epochs"])
+        path = model_path or (cfg["critic"].get("model_path") if role == "critic" else None) or cfg["model"]["path"]
+        self.model_path = path
+        self.section = section
+        self.policy_loss = cfg["algorithm"]["policy_loss"]
+        # The actor's and the reference's log-probs are those of the distribution the rollout
+        # samples from, softmax(logits / T): ratios, KL and entropy then belong to that policy.
+        self.temperature = float(cfg["rollout"]["temperature"]) if role in ("actor", "reference") else 1.0
+        self.engine_kind = role_engine(cfg, role)
+        if self.engine_kind == "fsdp":
+            self.engine = self._fsdp_engine(path, trains, optim, ranks)
+        else:
+            self.engine = self._megatron_engine(path, trains, optim)
+
+    def _megatron_engine(self, path: str, trains: bool, optim: OptimSettings | None) -> MegatronEngine:
+        cfg, role, section = self.cfg, self.role, self.section
         # reference and critic default to the actor's layout (they are colocated with it)
         par = section.get("parallel") or cfg["actor"]["parallel"]
         _use_layout(par["tensor_parallel"], par["pipeline_parallel"], seed=cfg["trainer"]["seed"],
                     cp=par.get("context_parallel", 1), ep=par.get("expert_parallel", 1))
-        trains = role in ("actor", "critic")
         src = section if trains else cfg["actor"]
         options = EngineOptions(dtype=resolve_dtype(cfg["model"]["dtype"]), attention=cfg["model"]["local_attention"],
                                 micro_batch_tokens=src["micro_batch_tokens"], packing=src["packing"],
@@ -100,23 +127,22 @@ class MegatronRole(Worker):
         if role == "actor":
             options.lora = lora_settings(cfg)
             options.lora_adapters = (cfg["actor"].get("lora") or {}).get("adapters") if options.lora else None
-        optim = None
-        if trains:
-            o = section["optim"]
-            n_mini = max(cfg["data"]["train_batch_size"] * cfg["rollout"]["n"] // section["ppo_mini_batch_size"], 1)
-            optim = OptimSettings(lr=o["lr"], min_lr=o["min_lr"], lr_schedule=o["lr_schedule"],
-                                  warmup_steps=o["warmup_steps"], weight_decay=o["weight_decay"],
-                                  betas=(o["adam_beta1"], o["adam_beta2"]), eps=o["adam_eps"],
-                                  clip_grad=o["clip_grad"], shard_over_dp=o["shard_over_dp"],
-                                  total_steps=cfg["trainer"]["total_steps"] * n_mini * section["ppo_epochs"])
-        path = model_path or (cfg["critic"].get("model_path") if role == "critic" else None) or cfg["model"]["path"]
-        self.model_path = path
-        self.section = section
-        self.policy_loss = cfg["algorithm"]["policy_loss"]
-        # The actor's and the reference's log-probs are those of the distribution the rollout
-        # samples from, softmax(logits / T): ratios, KL and entropy then belong to that policy.
-        self.temperature = float(cfg["rollout"]["temperature"]) if role in ("actor", "reference") else 1.0
-        self.engine = MegatronEngine(path, options, value_head=role == "critic", optim=optim)
+        return MegatronEngine(path, options, value_head=role == "critic", optim=optim)
+
+    def _fsdp_engine(self, path: str, trains: bool, optim: OptimSettings | None, ranks: list[int] | None) -> Any:
+        """The FSDP2 engine (hpcrl.engines.fsdp) over the HF model; `ranks` (tests): the torch ranks it
+        shards over, default every worker."""
+        from hpcrl.engines.fsdp.engine import FsdpEngine, FsdpOptions
+
+        cfg, section = self.cfg, self.section
+        src = section if trains else cfg["actor"]
+        fsdp = cfg["actor"]["fsdp"]  # (one set of FSDP options for every role on the engine)
+        options = FsdpOptions(dtype=resolve_dtype(cfg["model"]["dtype"]), micro_batch_tokens=src["micro_batch_tokens"],
+                              recompute=section.get("recompute", "none") if trains else "none",
+                              cpu_offload=bool(fsdp.get("cpu_offload", False)),
+                              reshard_after_forward=bool(fsdp.get("reshard_after_forward", True)),
+                              accumulate_unsharded=bool(fsdp.get("accumulate_unsharded", False)))
+        return FsdpEngine(path, options, value_head=self.role == "critic", optim=optim, ranks=ranks)
 
     def parallel_coords(self) -> tuple[int, int, int]:
         """(dp, model-parallel, pp): the TP x CP ranks of a stage share their DP rank's data, and
@@ -136,7 +162,8 @@ class MegatronRole(Worker):
         return {"spec": e.spec, "device": str(next(e.model.parameters()).device), "dtype": str(e.options.dtype),
                 "backend": dist.get_backend(), "tp": e.tp_size, "pp": e.pp_size, "dp": e.dp_size, "cp": e.cp_size,
                 "ep": e.ep_size, "experts": e.arch.num_experts,
-                "sequence_parallel": bool(e.model.config.sequence_parallel), "recompute": e.options.recompute,
+                "sequence_parallel": bool(getattr(getattr(e.model, "config", None), "sequence_parallel", False)),
+                "recompute": e.options.recompute, "engine": self.engine_kind,
                 # vLLM's CPU worker turns torch.set_num_threads into a no-op once it is built, so this
                 # stays what OMP_NUM_THREADS gave (hpcrl run: 1 per rank, every rank its own process)
                 "torch_threads": torch.get_num_threads(), "cpu_affinity": sorted(os.sched_getaffinity(0)),
@@ -183,7 +210,8 @@ class MegatronRole(Worker):
 
     def _routes(self, batch: Batch, seqs: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """Per sequence, the experts the rollout routed each token to (routing replay), or None."""
-        if not self.engine.options.moe.routing_replay or "routed_experts" not in batch.keys():
+        moe = getattr(self.engine.options, "moe", None)  # (the FSDP engine has no routing replay)
+        if moe is None or not moe.routing_replay or "routed_experts" not in batch.keys():
             return None
         routes = batch["routed_experts"]
         return [routes[i, :s.numel()] for i, s in enumerate(seqs)]
@@ -416,10 +444,12 @@ class MegatronRole(Worker):
 
     # checkpoints (hpcrl.checkpoint, docs/checkpoint.md) ----------------------------------------
     def _checkpointer(self) -> Any:
+        from hpcrl.checkpoint.fsdp_state import FsdpCheckpointer
         from hpcrl.checkpoint.megatron_state import RoleCheckpointer
 
         if getattr(self, "_ckpt", None) is None:
-            self._ckpt = RoleCheckpointer(self.engine, self.role, self.model_path)
+            kind = FsdpCheckpointer if self.engine_kind == "fsdp" else RoleCheckpointer
+            self._ckpt = kind(self.engine, self.role, self.model_path)
         return self._ckpt
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)

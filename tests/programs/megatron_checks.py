@@ -309,6 +309,27 @@ def run_reference(plain: dict[str, torch.Tensor], rows: list[list[int]], setting
     return reference_ppo.actor_update(AutoModelForCausalLM.from_pretrained(model, dtype=dtype), plain, rows, **settings)
 
 
+def reference_case_cfg(case: dict[str, Any], rows: int, tp: int, pp: int, t: float, **actor: Any) -> dict[str, Any]:
+    """The config of a REFERENCE_CASES case: 2 mini-batches x 2 epochs of `rows` samples, its loss terms."""
+    cfg = make_cfg(TINY, tp, pp, entropy_coeff=case["entropy"], ppo_mini_batch_size=rows // REF_MINI,
+                   ppo_epochs=REF_EPOCHS, loss_agg_mode=case["agg"], use_kl_loss=True, kl_loss_coef=0.1,
+                   kl_loss_type=case["kl"], clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, **actor)
+    cfg["actor"]["optim"].update(lr=REF_LR, clip_grad=REF_CLIP_GRAD, weight_decay=0.01)
+    cfg["model"]["dtype"] = case["dtype"]
+    cfg["rollout"]["temperature"] = t
+    cfg["algorithm"]["policy_loss"] = "dual_clip" if case["dual_clip"] else "ppo_clip"
+    return cfg
+
+
+def reference_settings(cfg: dict[str, Any], case: dict[str, Any], t: float, masters_fp32: bool) -> dict[str, Any]:
+    """reference_ppo.actor_update's settings for a case's config."""
+    o = cfg["actor"]["optim"]
+    return dict(temperature=t, clip_low=0.2, clip_high=0.28, dual_clip_c=3.0 if case["dual_clip"] else None,
+                kl_type=case["kl"], kl_coef=0.1, entropy_coeff=case["entropy"], loss_agg_mode=case["agg"],
+                lr=REF_LR, betas=(o["adam_beta1"], o["adam_beta2"]), eps=o["adam_eps"], weight_decay=0.01,
+                clip_grad=REF_CLIP_GRAD, masters_fp32=masters_fp32)
+
+
 def reference_errors(ref: dict, steps: list[dict[str, torch.Tensor]], got: dict[str, torch.Tensor],
                      w0: dict[str, torch.Tensor]) -> dict[str, Any]:
     """hpcrl's recorded gradients (per step) and weights after the update against a reference run's."""
@@ -350,6 +371,7 @@ def reference_step_checks(workers: int, res: dict[str, Any], timed: Any) -> None
     w0 = load_safetensors_dir(TINY)
     res["reference_step"] = {}
     controls_done = False
+    megatron_update: tuple[dict[str, Any], dict[str, torch.Tensor]] | None = None
     for case in REFERENCE_CASES:
         tp, pp = case["layout"]
         if case["layout"] not in requested_layouts():
@@ -362,13 +384,7 @@ def reference_step_checks(workers: int, res: dict[str, Any], timed: Any) -> None
         name = (f"{case['dtype']}-{tp}x{pp}" + ("" if t == REF_T else f"-t{t:g}") + (f"-cp{cp}" if cp > 1 else "")
                 + ("-sp" if sp else ""))
         bf16 = case["dtype"] == "bf16"
-        cfg = make_cfg(TINY, tp, pp, entropy_coeff=case["entropy"], ppo_mini_batch_size=len(batch) // REF_MINI,
-                       ppo_epochs=REF_EPOCHS, loss_agg_mode=case["agg"], use_kl_loss=True, kl_loss_coef=0.1,
-                       kl_loss_type=case["kl"], clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
-        cfg["actor"]["optim"].update(lr=REF_LR, clip_grad=REF_CLIP_GRAD, weight_decay=0.01)
-        cfg["model"]["dtype"] = case["dtype"]
-        cfg["rollout"]["temperature"] = t
-        cfg["algorithm"]["policy_loss"] = "dual_clip" if case["dual_clip"] else "ppo_clip"
+        cfg = reference_case_cfg(case, len(batch), tp, pp, t)
         cfg["actor"]["parallel"].update(context_parallel=cp, sequence_parallel=sp)
         actor = WorkerGroup(MegatronRole, init_kwargs={"cfg": cfg, "role": "actor"}, name=f"ref-{name}")
         actor.record_gradients(True)
@@ -378,11 +394,7 @@ def reference_step_checks(workers: int, res: dict[str, Any], timed: Any) -> None
         steps = [merged(list(s)) for s in zip(*[r for r in actor.recorded_gradients() if r is not None])]
         got = merged(actor.hf_weights())
 
-        o = cfg["actor"]["optim"]
-        settings = dict(temperature=t, clip_low=0.2, clip_high=0.28, dual_clip_c=3.0 if case["dual_clip"] else None,
-                        kl_type=case["kl"], kl_coef=0.1, entropy_coeff=case["entropy"], loss_agg_mode=case["agg"],
-                        lr=REF_LR, betas=(o["adam_beta1"], o["adam_beta2"]), eps=o["adam_eps"], weight_decay=0.01,
-                        clip_grad=REF_CLIP_GRAD, masters_fp32=bf16)
+        settings = reference_settings(cfg, case, t, masters_fp32=bf16)
 
         ref = run_reference(plain, rows, settings)
         steps_n = len(ref["counts"])
@@ -407,8 +419,50 @@ def reference_step_checks(workers: int, res: dict[str, Any], timed: Any) -> None
                     ("no entropy bonus", {"entropy_coeff": 0.0}), ("no weight decay", {"weight_decay": 0.0}),
                     ("KL sign flipped", {"kl_coef": -settings["kl_coef"]}),
                     ("temperature ignored", {"temperature": 1.0}), ("no grad-norm clip", {"clip_grad": 0.0})]}}
+        if name == "fp32-1x1":
+            megatron_update = (case, got)  # the FSDP engine's update is compared with this one too
         actor.close()  # each group's model and process groups are freed before the next one
         timed(f"reference step {name}", t0)
+
+    # the FSDP engine (actor.engine=fsdp) on the first fp32 case, sharded over 1 and over 2 of the
+    # workers: against the reference, and against the Megatron engine's update of the same batch
+    res["reference_fsdp"] = {}
+    # (DP 2 first: torch names a group made by its members alone from their count of groups so far,
+    # which must agree between them; the workers' counts agree until the DP-1 group exists)
+    for dp in (2, 1) if megatron_update is not None else ():
+        case, megatron_got = megatron_update
+        t0 = time.time()
+        cfg = reference_case_cfg(case, len(batch), 1, 1, REF_T, engine="fsdp")
+        if dp == 2:  # one sequence per micro-batch, accumulated unsharded: one reduce-scatter per step
+            cfg["actor"]["fsdp"]["accumulate_unsharded"] = True
+            cfg["actor"]["micro_batch_tokens"] = 64
+        # torch ranks 0..dp-1 are MPI ranks 1..dp (the controller is MPI rank 0)
+        actor = WorkerGroup(MegatronRole, ranks=list(range(1, dp + 1)),
+                            init_kwargs={"cfg": cfg, "role": "actor", "ranks": list(range(dp))}, name=f"fsdp-dp{dp}")
+        actor.record_gradients(True)
+        arranged = arrange_minibatches(copy.copy(batch), REF_MINI, actor.layout.dp_size, case["agg"],
+                                       shuffle_seed=REF_SEED)
+        metrics = actor.update_actor(arranged, num_minibatches=REF_MINI, epochs=REF_EPOCHS)
+        steps = [merged(list(s)) for s in zip(*[r for r in actor.recorded_gradients() if r is not None])]
+        got = merged(actor.hf_weights())
+        ref = run_reference(plain, rows, reference_settings(cfg, case, REF_T, masters_fp32=False))
+        described = actor.describe()
+        res["reference_fsdp"][f"fp32-dp{dp}"] = {
+            "engine": {k: described[k] for k in ("engine", "dp", "tp", "pp", "spec")},
+            "accumulate_unsharded": cfg["actor"]["fsdp"]["accumulate_unsharded"],
+            "micro_batch_tokens": cfg["actor"]["micro_batch_tokens"],
+            "optimizer_steps": metrics["optimizer_steps"], **reference_errors(ref, steps, got, w0),
+            "hpcrl_grad_norm_mean": metrics["grad_norm"], "grad_norms": ref["grad_norms"],
+            "hpcrl_clipfrac": metrics["pg_clipfrac"],
+            "ref_clipfrac": sum(c["clip"] for c in ref["counts"]) / len(ref["counts"]),
+            # the Megatron engine's update (fp32, TP = PP = 1, DP = all workers) of the same batch
+            "vs_megatron_update_rel": rel_diff(delta(got, w0), delta(megatron_got, w0)),
+            "megatron_same_names": sorted(got) == sorted(megatron_got)}
+        actor.close()
+        timed(f"reference step fsdp dp{dp}", t0)
+    if megatron_update is not None:
+        res["fsdp_recompute"] = fsdp_recompute_check(batch, make_cfg)
+        timed("fsdp recompute", t0)
 
     # on-policy (1 mini-batch, 1 epoch): the update without a separate old-log-prob pass (its own
     # forward, detached) equals the update with one; the gap to the rollout is measured inside
@@ -441,39 +495,45 @@ def reference_step_checks(workers: int, res: dict[str, Any], timed: Any) -> None
         "max_abs_change": max(float((weights["current"][k] - w0[k]).abs().max()) for k in w0)}
     timed("on-policy skip", t0)
 
-    # the critic: clipped value loss, zero-initialised head, fp32 at the largest layout
-    tp, pp = max(requested_layouts(), key=lambda lay: lay[0] * lay[1])
-    t0 = time.time()
-    cfg = make_cfg(TINY, tp, pp)
-    cfg["critic"].update(parallel={"tensor_parallel": tp, "pipeline_parallel": pp, "data_parallel": None},
-                         ppo_mini_batch_size=len(batch) // REF_MINI, ppo_epochs=REF_EPOCHS, cliprange_value=0.2)
-    cfg["critic"]["optim"].update(lr=REF_LR, clip_grad=REF_CLIP_GRAD, weight_decay=0.01)
-    critic = WorkerGroup(MegatronRole, init_kwargs={"cfg": cfg, "role": "critic"}, name=f"ref-critic-{tp}x{pp}")
-    critic.record_gradients(True)
-    arranged = arrange_minibatches(copy.copy(batch), REF_MINI, critic.layout.dp_size, "token-mean",
-                                   shuffle_seed=REF_SEED)
-    metrics = critic.update_critic(arranged, num_minibatches=REF_MINI, epochs=REF_EPOCHS)
-    steps = [merged(list(s)) for s in zip(*[r for r in critic.recorded_gradients() if r is not None])]
-    got = merged(critic.hf_weights())
-    hf = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
-    o = cfg["critic"]["optim"]
-    h = hf.config.hidden_size
-    ref = reference_ppo.critic_update(hf, torch.zeros(1, h), torch.zeros(1), plain, rows, cliprange_value=0.2,
-                                      lr=REF_LR, betas=(o["adam_beta1"], o["adam_beta2"]), eps=o["adam_eps"],
-                                      weight_decay=0.01, clip_grad=REF_CLIP_GRAD)
-    keys = sorted(ref["grads"][0])
-    base = [k for k in keys if not k.startswith("value_head.")]
-    w0c = {**w0, "value_head.weight": torch.zeros(1, h), "value_head.bias": torch.zeros(1)}
-    res["reference_critic"] = {
-        "layout": f"{tp}x{pp}", "optimizer_steps": metrics["optimizer_steps"],
-        "same_names": sorted(steps[0]) == keys and sorted(got) == sorted(ref["weights"]),
-        "grad_rel": [rel_diff(g, r, keys) for g, r in zip(steps, ref["grads"], strict=True)],
-        "update_rel": rel_diff(delta(got, w0c), delta(ref["weights"], w0c)),
-        "base_update_rel": rel_diff(delta(got, w0c), delta(ref["weights"], w0c), base),
-        "vf_clipfrac": metrics.get("vf_clipfrac"),
-    }
-    critic.close()
-    timed(f"reference critic {tp}x{pp}", t0)
+    # the critic: clipped value loss, zero-initialised head, fp32 at the largest layout; and on the
+    # FSDP engine (DP = every worker)
+    big = max(requested_layouts(), key=lambda lay: lay[0] * lay[1])
+    for engine, (tp, pp) in (("megatron", big), ("fsdp", (1, 1))):
+        t0 = time.time()
+        cfg = make_cfg(TINY, tp, pp)
+        cfg["critic"].update(parallel={"tensor_parallel": tp, "pipeline_parallel": pp, "data_parallel": None},
+                             ppo_mini_batch_size=len(batch) // REF_MINI, ppo_epochs=REF_EPOCHS, cliprange_value=0.2,
+                             engine=engine)
+        cfg["critic"]["optim"].update(lr=REF_LR, clip_grad=REF_CLIP_GRAD, weight_decay=0.01)
+        critic = WorkerGroup(MegatronRole, init_kwargs={"cfg": cfg, "role": "critic"},
+                             name=f"ref-critic-{engine}-{tp}x{pp}")
+        critic.record_gradients(True)
+        arranged = arrange_minibatches(copy.copy(batch), REF_MINI, critic.layout.dp_size, "token-mean",
+                                       shuffle_seed=REF_SEED)
+        metrics = critic.update_critic(arranged, num_minibatches=REF_MINI, epochs=REF_EPOCHS)
+        steps = [merged(list(s)) for s in zip(*[r for r in critic.recorded_gradients() if r is not None])]
+        got = merged(critic.hf_weights())
+        described = critic.describe()
+        hf = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+        o = cfg["critic"]["optim"]
+        h = hf.config.hidden_size
+        ref = reference_ppo.critic_update(hf, torch.zeros(1, h), torch.zeros(1), plain, rows, cliprange_value=0.2,
+                                          lr=REF_LR, betas=(o["adam_beta1"], o["adam_beta2"]), eps=o["adam_eps"],
+                                          weight_decay=0.01, clip_grad=REF_CLIP_GRAD)
+        keys = sorted(ref["grads"][0])
+        base = [k for k in keys if not k.startswith("value_head.")]
+        w0c = {**w0, "value_head.weight": torch.zeros(1, h), "value_head.bias": torch.zeros(1)}
+        res["reference_critic" if engine == "megatron" else "reference_critic_fsdp"] = {
+            "layout": f"{tp}x{pp}", "optimizer_steps": metrics["optimizer_steps"],
+            "engine": described["engine"], "dp": described["dp"],
+            "same_names": sorted(steps[0]) == keys and sorted(got) == sorted(ref["weights"]),
+            "grad_rel": [rel_diff(g, r, keys) for g, r in zip(steps, ref["grads"], strict=True)],
+            "update_rel": rel_diff(delta(got, w0c), delta(ref["weights"], w0c)),
+            "base_update_rel": rel_diff(delta(got, w0c), delta(ref["weights"], w0c), base),
+            "vf_clipfrac": metrics.get("vf_clipfrac"),
+        }
+        critic.close()
+        timed(f"reference critic {engine} {tp}x{pp}", t0)
 
 
 PLAN_SEQ_LEN, PLAN_SEQS = 80, (2, 4)  # sequences per DP rank at the two micro-batch sizes
@@ -486,14 +546,19 @@ class SavedBytesRole(MegatronRole):
 
     @register(dispatch=Dispatch.DP_SPLIT, collect=Collect.ALL)
     def update_counting_saved(self, batch: Any) -> dict[str, int]:
-        params = list(self.engine.model.parameters())
+        # (the FSDP engine's parameters are DTensors: their local shards)
+        params = [p.to_local() if hasattr(p, "to_local") else p for p in self.engine.model.parameters()]
         skip = {p.untyped_storage().data_ptr() for p in params}
         kept: dict[int, int] = {}
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             storage = t.untyped_storage()
-            if storage.data_ptr() not in skip:
-                kept[storage.data_ptr()] = storage.nbytes()
+            try:
+                ptr = storage.data_ptr()
+            except RuntimeError:  # the FSDP engine's gathered parameters (their storage is swapped): not kept
+                return t
+            if ptr not in skip:
+                kept[ptr] = storage.nbytes()
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -501,6 +566,30 @@ class SavedBytesRole(MegatronRole):
         return {"saved_bytes": sum(kept.values()), "tokens": int(batch["attention_mask"].sum()),
                 "param_bytes": sum(p.numel() * p.element_size() for p in params),
                 "tp_rank": self.engine.tp_rank, "dp_rank": self.engine.dp_rank}
+
+
+def fsdp_recompute_check(batch: Any, make_cfg: Any) -> dict[str, Any]:
+    """The FSDP engine (DP = every worker) with actor.recompute=full against none on the same update:
+    the same weights after it, and fewer bytes kept for the backward (each layer's input only)."""
+    from hpcrl.controller import WorkerGroup
+    from hpcrl.workers.batching import arrange_minibatches
+
+    out: dict[str, Any] = {}
+    weights = {}
+    for mode in ("none", "full"):
+        cfg = make_cfg(TINY, 1, 1, engine="fsdp", recompute=mode, ppo_mini_batch_size=len(batch))
+        cfg["model"]["dtype"] = "fp32"
+        cfg["actor"]["optim"].update(lr=REF_LR)
+        actor = WorkerGroup(SavedBytesRole, init_kwargs={"cfg": cfg, "role": "actor"}, name=f"fsdp-recompute-{mode}")
+        per_rank = actor.update_counting_saved(arrange_minibatches(copy.copy(batch), 1, actor.layout.dp_size,
+                                                                   "token-mean"))
+        out[mode] = {"saved_bytes": sum(r["saved_bytes"] for r in per_rank), "recompute": actor.describe()["recompute"]}
+        weights[mode] = merged(actor.hf_weights())
+        actor.close()
+    w0 = load_safetensors_dir(TINY)
+    out["max_abs_diff"] = max(float((weights["full"][k] - weights["none"][k]).abs().max()) for k in w0)
+    out["max_abs_change"] = max(float((weights["none"][k] - w0[k]).abs().max()) for k in w0)
+    return out
 
 
 def plan_term_checks(res: dict[str, Any], timed: Any) -> None:

@@ -1,0 +1,60 @@
+"""Weights from the FSDP engine into the colocated vLLM engines.
+
+vLLM's reload path takes full HF tensors and cuts its own tensor-parallel part, so every rank's engine
+needs every full tensor: each FSDP rank holds 1/DP of each one and all-gathers the rest, bucket by
+bucket (at most `bucket_bytes` of full tensors alive at a time, plus the one being gathered), in the
+rollout's dtype. What a rank receives is exactly what it lacks: (DP - 1)/DP of the model.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from hpcrl.engines.fsdp.shards import gather_full, local_shard
+
+
+def stream_fsdp_weights(engine: Any, bucket_bytes: int, stats: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named full tensors of the whole model (a collective: every rank of the engine's group consumes
+    the iterator to its end, in the same order); `stats` is a hpcrl.engines.reshard.ReshardStats."""
+    busy = time.perf_counter()
+    named = list(engine.megatron_shard().items())
+    dtype = engine.options.dtype
+    stats.bucket_bytes = bucket_bytes
+    full_bytes = {k: p.numel() * dtype.itemsize for k, p in named}
+    stats.model_bytes = sum(full_bytes.values())
+    stats.min_bytes_received = sum(n - local_shard(p).numel() * dtype.itemsize for (_, p), n in
+                                   zip(named, full_bytes.values(), strict=True))
+    stats.largest_unit_bytes = max(full_bytes.values(), default=0)
+    buckets: list[list[tuple[str, Any]]] = [[]]
+    size = 0
+    for k, p in named:
+        if buckets[-1] and size + full_bytes[k] > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append((k, p))
+        size += full_bytes[k]
+    peak = 0
+    for bucket in buckets:
+        hf = {}
+        for k, p in bucket:
+            full = gather_full(p, dtype)
+            stats.bytes_received += (full.numel() - local_shard(p).numel()) * full.element_size()
+            hf[k] = full.cpu()
+        live = sum(t.numel() * t.element_size() for t in hf.values())
+        peak = max(peak, live)
+        stats.largest_bucket_bytes = max(stats.largest_bucket_bytes, live)
+        if engine.arch.tie_word_embeddings and "model.embed_tokens.weight" in hf:
+            # vLLM on CPU keeps a separate packed output layer: it takes the tied copy too
+            hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
+        stats.buckets += 1
+        stats.tensors_pushed += len(hf)
+        for name in list(hf):
+            stats.extra["transfer_convert_s"] = stats.extra.get("transfer_convert_s", 0.0) + time.perf_counter() - busy
+            yield name, hf.pop(name)
+            busy = time.perf_counter()
+    stats.extra["transfer_convert_s"] = stats.extra.get("transfer_convert_s", 0.0) + time.perf_counter() - busy
+    stats.peak_extra_bytes = peak
