@@ -76,6 +76,18 @@ def test_packed_and_padded_logprobs_agree(checks: dict) -> None:
     assert checks["packed_vs_padded"]["padded_vs_hf"] < 1e-4
 
 
+def test_fsdp_packed_rows_and_shared_prompts_give_hf_logprobs(checks: dict) -> None:
+    """actor.engine=fsdp, DP = every worker: whole sequences packed into one row under a block-diagonal
+    mask (positions restarting per sequence), the prompt laid out once for its 2 answers
+    (response-only log-probs), and padded rows: each equals HF's log-probs of the sequence alone
+    (measured 4.8e-7 on a packed row by hand; with the mask and positions dropped, the same packed row
+    was 0.83 off)."""
+    c = checks["fsdp_packing"]
+    assert c["engine"] == "fsdp" and c["dp"] >= 2, c
+    assert max(c["packed_vs_hf"], c["padded_vs_hf"], c["shared_vs_hf"], c["whole_vs_hf"]) < 1e-5, c
+    assert c["shared_elsewhere"] == 0.0, c
+
+
 @pytest.mark.parametrize("which", ["round_trip_tiny", "round_trip_smollm2"])
 def test_hf_megatron_hf_round_trip_is_bit_exact(checks: dict, which: str) -> None:
     assert checks[which]["same_keys"] and checks[which]["bit_exact"]
@@ -270,17 +282,19 @@ def test_reference_comparison_sees_every_term(checks: dict) -> None:
 
 def test_fsdp_actor_step_matches_the_reference_and_the_megatron_engine(checks: dict) -> None:
     """actor.engine=fsdp (FSDP2 over the HF model, hpcrl.engines.fsdp) on the first fp32 case, sharded
-    over 1 and over 2 workers (DP 2: one sequence per micro-batch, gradients accumulated unsharded and
-    reduce-scattered once a step): every optimizer step's gradient before clipping and the weight change
-    after the 4 steps against the independent reference, and the weight change against the Megatron
-    engine's (fp32, TP = PP = 1, DP = 4) on the same batch. Measured: gradients 1.9e-7 (first step) ..
-    2.9e-6, update 1.4e-5 (DP 2) / 1.7e-5 (DP 1) from the reference, 2.4e-5 from Megatron's; the same
-    clip shares. The leave-one-term-out controls above show FP32_REL sees every loss term."""
+    over 1 and over 2 workers (DP 1: packed rows, the 2 answers of a prompt sharing it; DP 2: padded
+    rows, one sequence per micro-batch, gradients accumulated unsharded and reduce-scattered once a
+    step): every optimizer step's gradient before clipping and the weight change after the 4 steps
+    against the independent reference, and the weight change against the Megatron engine's (fp32,
+    TP = PP = 1, DP = 4) on the same batch. Measured: gradients 1.9e-7 (first step) .. 4.9e-6, update
+    1.6e-5 (DP 2) / 3.0e-5 (DP 1) from the reference, 2.3e-5 from Megatron's; the same clip shares.
+    The leave-one-term-out controls above show FP32_REL sees every loss term."""
     cases = checks["reference_fsdp"]
     assert set(cases) == ({"fp32-dp1", "fp32-dp2"} if "1x1" in LAYOUTS else set())
     for name, c in cases.items():
         assert c["engine"] == {"engine": "fsdp", "dp": int(name[-1]), "tp": 1, "pp": 1, "spec": "hf-fsdp2"}, c
-        assert c["accumulate_unsharded"] == (name == "fp32-dp2"), c
+        assert c["accumulate_unsharded"] == (name == "fp32-dp2") and c["packing"] == (name == "fp32-dp1"), c
+        assert c["share_prompt"], c
         assert c["same_names"] and c["megatron_same_names"] and c["optimizer_steps"] == 4, (name, c)
         assert c["update_size"] > 0.01, (name, c)
         assert max(c["grad_rel"][:STEPS_PER_EPOCH]) < FP32_REL and max(c["grad_rel"]) < FP32_REL, (name, c)

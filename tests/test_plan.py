@@ -840,6 +840,20 @@ def test_fsdp_reshard_after_forward_false_keeps_a_full_copy() -> None:
     assert not any("kept after" in label for terms in with_ref.values() for label in terms)
 
 
+def test_fsdp_counts_the_packed_rows_attention_mask_on_cpu_only() -> None:
+    """On CPU the engine hands sdpa the block-diagonal mask of a packed row ([1, 1, T, T] bool: T squared
+    bytes, T = actor.micro_batch_tokens 512 here), or of micro_batch_size padded rows; flash attention on
+    GPU takes none."""
+    label = "attention mask of the packed rows (block-diagonal, T x T bool)"
+    packed = _smollm2_phases("actor.engine=fsdp")
+    assert packed["update actor"][label] == 512 ** 2
+    padded = _smollm2_phases("actor.engine=fsdp", "actor.packing=false", "actor.micro_batch_size=3")
+    seq = 256 + 64  # the recipe's max_prompt_length + max_new_tokens
+    assert padded["update actor"][label] == 3 * seq ** 2
+    gpu = _smollm2_phases("trainer.device=cuda", "actor.engine=fsdp", gpu_mem_bytes=80 * GIB)
+    assert not any(label in terms for terms in gpu.values())
+
+
 def test_fsdp_cpu_offload_moves_the_shards_to_pinned_host_memory() -> None:
     cfg = load_config(REPO / SMOLLM2_RECIPE, ["trainer.device=cuda", "model.dtype=bf16", "actor.engine=fsdp",
                                               "actor.fsdp.cpu_offload=true"])
@@ -857,7 +871,7 @@ def test_cli_fsdp_plan_prints_the_fsdp_rows(tmp_path) -> None:
     r = run([HPCRL, "plan", SMOLLM2_RECIPE, "actor.engine=fsdp", f"trainer.run_dir={tmp_path}"])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "precision   FSDP (actor): fp32 weight shards over the 2 DP ranks, which are the masters" in r.stdout
-    assert "micro-batches of up to 512 tokens (actor: padded rows" in r.stdout
+    assert "micro-batches of up to 512 tokens (actor: laid out as for Megatron, packed or padded rows" in r.stdout
     for row in (f"actor weights ({FSDP_SHARD})", "actor gathered layer (FSDP all-gather, fp32)",
                 "actor unsharded gradients before reduce-scatter", "reshard bucket: full tensors gathered"):
         assert row in r.stdout, row

@@ -47,8 +47,8 @@ SLURM_OVERRIDES = [*TRAIN_OVERRIDES, "algorithm.adv_estimator=grpo", "checkpoint
 TIMING = ("time/", "throughput/", "memory/", "trace/")
 
 
-def submit(run_dir: Path, partition: str, *extra: str, env: dict[str, str] | None = None) -> str:
-    r = run([HPCRL, "submit", "--nodes", "2", "--partition", partition, "--json", "configs/grpo_tiny.yaml",
+def submit(run_dir: Path, partition: str, *extra: str, env: dict[str, str] | None = None, nodes: int = 2) -> str:
+    r = run([HPCRL, "submit", "--nodes", str(nodes), "--partition", partition, "--json", "configs/grpo_tiny.yaml",
              f"trainer.run_dir={run_dir}", *SLURM_OVERRIDES, *extra], timeout=120, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     return str(json.loads(r.stdout.strip().splitlines()[-1])["job_id"])
@@ -512,13 +512,15 @@ FSDP_PHI3 = ["actor.engine=fsdp", "model.path=models/tiny-phi3", "actor.parallel
              "algorithm.adv_estimator=grpo", "trainer.total_steps=4", "checkpoint.save_every=2"]
 
 
-def test_fsdp_engine_trains_a_family_megatron_cannot_and_resumes_bit_exact(tmp_path: Path) -> None:
+@pytest.mark.slurm
+def test_fsdp_engine_trains_a_family_megatron_cannot_and_resumes_bit_exact(slurm_cluster: None, tmp_path: Path) -> None:
     """actor.engine=fsdp (hpcrl.engines.fsdp) on a tiny Phi-3, a family the Megatron converter refuses:
     GRPO with vLLM rollout on 2 workers (DP=2), the weights resharded into vLLM every step (the
     rollout-vs-actor log-prob gap stays at fp32 rounding: measured <= 9.6e-7; a stale or misnamed
     tensor after an update gives ~1e-2 and more). Killed (kill -9 of the world) in the save of step 4,
     the rerun resumes from the step-2 checkpoint (torch.distributed.checkpoint) at the same layout and
-    ends byte for byte as the uninterrupted run, with the same metrics; the step-2 checkpoint
+    ends byte for byte as the uninterrupted run, with the same metrics; so does the run as a Slurm job
+    on the preemptible partition sent SIGUSR1 after step 1 (save, self-requeue, resume); the step-2 checkpoint
     resumed on 1 worker (DP=1, DCP reshards) it ends within fp32 rounding of it. The checkpoint resumed
     on the Megatron engine is refused before anything starts, naming actor.engine."""
     from hpcrl.config import load_config
@@ -554,6 +556,26 @@ def test_fsdp_engine_trains_a_family_megatron_cannot_and_resumes_bit_exact(tmp_p
     for mine, ref in zip(resumed[2:], whole[2:], strict=True):
         assert {k: v for k, v in mine.items() if not k.startswith(TIMING)} == \
             {k: v for k, v in ref.items() if not k.startswith(TIMING)}
+
+    # the same run as a Slurm job on the preemptible partition (1 node x 2 workers: the same layout), sent
+    # SIGUSR1 after step 1 (what --signal=B:USR1@N does before the time limit): the controller saves at the
+    # next step boundary and requeues the job itself; the restarted job resumes from the DCP checkpoint
+    usr1 = tmp_path / "usr1" / "run"
+    job = submit(usr1, "preempt", *FSDP_PHI3, nodes=1)
+    try:
+        wait_for(lambda: steps_done(usr1) >= 1, 600, "step 1", job)
+        r = subprocess.run(["scancel", "--signal=USR1", "--batch", job], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        wait_for(lambda: finished(job, "preempt"), 900, "the job to finish after its requeue", job)
+    finally:
+        subprocess.run(["scancel", job], capture_output=True)
+    check_completed_after_restart(job)
+    log = controller_log(usr1)
+    assert "signal SIGUSR1; checkpoint saved" in log and "resumed from" in log, log[-3000:]
+    got = hf_weights(usr1, 4, tmp_path / "usr1-hf")
+    assert sorted(got) == sorted(end) and all(torch.equal(got[k], end[k]) for k in end)
+    steps = read_jsonl(usr1 / "metrics.jsonl")
+    assert [m["step"] for m in steps] == [1, 2, 3, 4] and same_records(whole, steps) == []
 
     one = resumable_copy(whole_dir, tmp_path / "one" / "run", 2)
     hpcrl_run(one, *FSDP_PHI3, "trainer.workers_per_node=1")

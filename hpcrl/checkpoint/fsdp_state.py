@@ -21,7 +21,7 @@ import torch
 
 from hpcrl.checkpoint.files import FileRecord, file_record, write_durable
 from hpcrl.checkpoint.megatron_state import FILE_SLACK, _config_seed, _rng_written
-from hpcrl.checkpoint.rng import capture_rng, read_rng_file, reseed_rng, restore_rng, rng_blob, write_rng
+from hpcrl.checkpoint.rng import capture_rng, restore_or_reseed, rng_blob, write_rng
 
 META = "fsdp.json"
 
@@ -119,15 +119,8 @@ class FsdpCheckpointer:
         e.step_count = int(meta["step_count"])
         e.nonfinite_in_a_row = int(meta.get("nonfinite_in_a_row", 0))
         rank, world = dist.get_rank(), dist.get_world_size()
-        rng = "reseeded"
-        rng_file = root / "rng" / f"rank{rank}.pt"
-        if meta["dp"] == e.dp_size and rng_file.is_file():
-            blob = read_rng_file(rng_file)
-            if blob["world_size"] == world:
-                restore_rng(blob["state"])
-                rng = "restored"
-        if rng == "reseeded":
-            reseed_rng(_config_seed(root) if seed is None else seed, e.step_count, rank)
+        seed = _config_seed(root) if seed is None else seed
+        rng = restore_or_reseed(root, rank, world, meta["dp"] == e.dp_size, seed, e.step_count)
         return {"role": self.role, "engine": "fsdp", "step_count": e.step_count, "converted": meta["dp"] != e.dp_size,
                 "rng": rng, "saved_layout": {"tp": 1, "pp": 1, "dp": meta["dp"], "cp": 1},
                 "layout": {"tp": 1, "pp": 1, "dp": e.dp_size, "cp": 1}, "seconds": round(time.monotonic() - t0, 3)}

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from hpcrl.checkpoint.files import FileRecord, file_record, fsync_dir, fsync_file, is_no_space, write_durable
-from hpcrl.checkpoint.rng import capture_rng, read_rng_file, reseed_rng, restore_rng, rng_blob, write_rng
+from hpcrl.checkpoint.rng import capture_rng, restore_or_reseed, rng_blob, write_rng
 from hpcrl.checkpoint.store import DiskFullError, no_space_error
 from hpcrl.engines.megatron.convert import expert_of, global_name, hf_to_megatron, layer_range, megatron_to_hf_partial
 from hpcrl.engines.megatron.model import ModelArch
@@ -496,15 +496,8 @@ def load_engine(engine: Any, ckpt_dir: str | Path, role: str, rank: int, world_s
                          "`hpcrl ckpt export-hf RUN --lora` and start a run from them (actor.lora.adapters)")
     else:
         apply_state(engine, converted_tensors(engine, saved), saved.meta0)
-    rng_file = root / "rng" / f"rank{rank}.pt"
-    rng = "reseeded"
-    if exact and rng_file.is_file():
-        blob = read_rng_file(rng_file)
-        if blob["world_size"] == world_size:
-            restore_rng(blob["state"])
-            rng = "restored"
-    if rng == "reseeded":
-        reseed_rng(_config_seed(root) if seed is None else seed, engine.step_count, rank)
+    rng = restore_or_reseed(root, rank, world_size, exact, _config_seed(root) if seed is None else seed,
+                            engine.step_count)
     lay = saved.meta0["layout"]
     return {"role": role, "step_count": engine.step_count, "converted": not exact, "rng": rng,
             "saved_layout": {"tp": lay["tp"], "pp": lay["pp"], "dp": lay["dp"], "cp": lay.get("cp", 1)},

@@ -91,6 +91,19 @@ def reseed_rng(seed: int, step: int, rank: int) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed((seed + step) % (2**31))
 
 
+def restore_or_reseed(ckpt_dir: Path, rank: int, world_size: int, same_layout: bool, seed: int, step: int) -> str:
+    """A resume's RNG streams: this rank's saved ones at the layout and world size they were saved
+    at, else fresh ones from (seed, step, rank). Returns "restored" or "reseeded"."""
+    rng_file = Path(ckpt_dir) / "rng" / f"rank{rank}.pt"
+    if same_layout and rng_file.is_file():
+        blob = read_rng_file(rng_file)
+        if blob["world_size"] == world_size:
+            restore_rng(blob["state"])
+            return "restored"
+    reseed_rng(seed, step, rank)
+    return "reseeded"
+
+
 def rng_blob(rank: int, world_size: int, state: dict[str, Any]) -> bytes:
     """The bytes of a rank's RNG file (a few KB)."""
     buf = io.BytesIO()

@@ -14,7 +14,6 @@ from omegaconf import DictConfig, OmegaConf
 
 from hpcrl.config.derived import (
     critic_enabled,
-    engine_roles,
     is_dpo,
     is_split,
     kl_loss_active,
@@ -26,6 +25,7 @@ from hpcrl.config.derived import (
     trainer_world_size,
     world_size,
 )
+from hpcrl.config.engines import engine_problems
 from hpcrl.config.loader import ConfigError
 
 ROLLOUT_MODES = ("sync", "one_step_off", "fully_async")
@@ -568,46 +568,6 @@ def _check_moe(cfg: DictConfig, problems: list[str]) -> None:
                         "recomputed forward would route again). Set actor.recompute=none.")
 
 
-def _check_engines(cfg: DictConfig, problems: list[str]) -> None:
-    """Each engine's options only with that engine; what the FSDP engine does not do, refused by key."""
-    engines = engine_roles(cfg)
-    if any(e not in ("megatron", "fsdp") for e in engines.values()):
-        return  # reported by the choices
-    if "fsdp" not in engines.values():
-        defaults = {"cpu_offload": False, "reshard_after_forward": True, "accumulate_unsharded": False}
-        for key, default in defaults.items():
-            if cfg.actor.fsdp[key] != default:
-                problems.append(f"actor.fsdp.{key}={cfg.actor.fsdp[key]}: an option of the FSDP engine, and no role "
-                                "runs on it. Set actor.engine=fsdp, or drop the key.")
-        return
-    for role, engine in engines.items():
-        if engine != "fsdp":
-            continue
-        key = f"{role}.parallel" if role == "actor" or cfg[role].parallel is not None else "actor.parallel"
-        p = role_parallel(cfg, role)
-        for name in ("tensor_parallel", "pipeline_parallel", "context_parallel", "expert_parallel"):
-            if p[name] != 1:
-                problems.append(f"{key}.{name}={p[name]}: the FSDP engine ({role}) shards over data parallel "
-                                f"only. Set it to 1, or {role}.engine=megatron.")
-        if p.sequence_parallel:
-            problems.append(f"{key}.sequence_parallel=true: a Megatron option; the FSDP engine ({role}) has no "
-                            f"tensor parallel. Set it to false, or {role}.engine=megatron.")
-        if role in ("actor", "critic") and cfg[role].recompute == "selective":
-            problems.append(f"{role}.recompute=selective: the FSDP engine recomputes whole layers (full) or "
-                            "nothing (none).")
-    if engines["actor"] == "fsdp":
-        if cfg.actor.lora.rank:
-            problems.append(f"actor.lora.rank={cfg.actor.lora.rank}: LoRA runs on the Megatron engine; the FSDP "
-                            "engine trains every weight. Set actor.engine=megatron for LoRA.")
-        if cfg.rollout.routing_replay:
-            problems.append("rollout.routing_replay=true: the FSDP engine routes its MoE layers itself (no "
-                            "replay). Set actor.engine=megatron for routing replay.")
-        if is_split(cfg):
-            problems.append("trainer.placement=split: the split placement's weight transfer reads the Megatron "
-                            "layout; the FSDP engine runs colocated. Set trainer.placement=colocated, or "
-                            "actor.engine=megatron.")
-
-
 def value_problems(cfg: DictConfig) -> list[str]:
     """Every problem of the config's values: types, choices, ranges and the arithmetic between keys.
     Nothing here reads a file or knows an engine, a data set or a reward (hpcrl.trainer.preflight)."""
@@ -617,7 +577,7 @@ def value_problems(cfg: DictConfig) -> list[str]:
     _check_rl_switches(cfg, problems)
     _check_multi_turn(cfg, problems)
     _check_moe(cfg, problems)
-    _check_engines(cfg, problems)
+    problems += engine_problems(cfg)
     return problems
 
 

@@ -197,7 +197,6 @@ def stream_hf_weights(engine: MegatronEngine, bucket_bytes: int, stats: ReshardS
                       buckets: list[_Bucket] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named full tensors of the whole model, produced bucket by bucket (a collective: every
     rank must consume the iterator to its end, in the same order)."""
-    busy = time.perf_counter()
     buckets = buckets if buckets is not None else plan_buckets(engine, bucket_bytes)
     groups = _receiver_groups(engine)
     # with LoRA a mapping that merges each adapted weight when read: a bucket's worth at a time
@@ -249,31 +248,50 @@ def stream_hf_weights(engine: MegatronEngine, bucket_bytes: int, stats: ReshardS
                         if t.untyped_storage().data_ptr() not in inputs)
         live.add(converted)
         del parts
-        if "model.embed_tokens.weight" in hf and engine.arch.tie_word_embeddings:
-            hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
-        stats.buckets += 1
-        stats.tensors_pushed += len(hf)
-        for name in list(hf):
-            stats.extra["transfer_convert_s"] = stats.extra.get("transfer_convert_s", 0.0) + time.perf_counter() - busy
-            yield name, hf.pop(name)
-            busy = time.perf_counter()
+        yield from bucket_tensors(hf, stats, engine.arch.tie_word_embeddings)
         live.drop(live.now)
-    stats.extra["transfer_convert_s"] = stats.extra.get("transfer_convert_s", 0.0) + time.perf_counter() - busy
     stats.peak_extra_bytes = live.peak
+
+
+def bucket_tensors(hf: dict[str, torch.Tensor], stats: ReshardStats, tied: bool
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """One bucket's HF tensors, each dropped from `hf` as it is handed over; a tied embedding also as
+    lm_head.weight (vLLM on CPU keeps a separate packed output layer: it takes the tied copy too)."""
+    if tied and "model.embed_tokens.weight" in hf:
+        hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
+    stats.buckets += 1
+    stats.tensors_pushed += len(hf)
+    for name in list(hf):
+        yield name, hf.pop(name)
+
+
+def timed(tensors: Iterator[tuple[str, torch.Tensor]], stats: ReshardStats) -> Iterator[tuple[str, torch.Tensor]]:
+    """`tensors`, with the time spent producing them (gathers, broadcasts, conversion; not the
+    rollout engine's loading) added up in stats.extra["transfer_convert_s"]."""
+    spent = 0.0
+    try:
+        while True:
+            t0 = time.perf_counter()
+            try:
+                item = next(tensors)
+            except StopIteration:
+                return
+            finally:
+                spent += time.perf_counter() - t0
+            yield item
+    finally:
+        stats.extra["transfer_convert_s"] = stats.extra.get("transfer_convert_s", 0.0) + spent
 
 
 def reshard_to_rollout(engine: MegatronEngine, rollout: Any, bucket_bytes: int = 64 << 20) -> ReshardStats:
     """Push the trainer's current weights into this rank's rollout engine, in place (collective).
-    The FSDP engine's weights come through hpcrl.engines.fsdp.weights."""
+    The FSDP engine's weights come through its `stream_rollout_weights` (hpcrl.engines.fsdp.weights)."""
     stats = ReshardStats()
     dist.barrier()  # time the sync, not the wait for the slowest rank's previous work
     t0 = time.perf_counter()
-    if getattr(engine, "kind", "megatron") == "fsdp":
-        from hpcrl.engines.fsdp.weights import stream_fsdp_weights
-
-        rollout.load_weights(stream_fsdp_weights(engine, bucket_bytes, stats))
-    else:
-        rollout.load_weights(stream_hf_weights(engine, bucket_bytes, stats))
+    # the FSDP engine streams its own (hpcrl.engines.fsdp.weights)
+    stream = getattr(engine, "stream_rollout_weights", None) or (lambda *a: stream_hf_weights(engine, *a))
+    rollout.load_weights(timed(stream(bucket_bytes, stats), stats))
     dist.barrier()
     stats.seconds = time.perf_counter() - t0
     return stats

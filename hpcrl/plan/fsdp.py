@@ -25,7 +25,7 @@ ranks: DP = the workers, TP = PP = CP = EP = 1):
   reduce-scatter (the root's through the whole backward, one layer's, and the fp32 reduce-scatter
   input), and the activations: activations.py's count of a decoder layer at TP = 1 with an unfused
   gated MLP (HF's LlamaMLP) and flash-style attention (PyTorch's SDPA), over micro-batches of
-  `micro_batch_tokens` padded tokens (an approximation: HF's RMSNorm upcasts to fp32 and RoPE keeps
+  `micro_batch_tokens` tokens (an approximation: HF's RMSNorm upcasts to fp32 and RoPE keeps
   rotated copies of q and k, not counted), the working set of one layer, and the logits over the
   whole vocabulary (no TP) at every position of the micro-batch (the engine computes them at the
   loss positions only: an upper bound).
@@ -56,6 +56,7 @@ from hpcrl.plan.activations import (
     kept_activation_bytes,
     layer_activations,
     logits_bytes,
+    micro_batch_token_count,
     working_elements_per_token,
 )
 from hpcrl.plan.shape import ModelShape
@@ -64,6 +65,7 @@ from hpcrl.plan.shape import ModelShape
 ENGINE = "fsdp"
 ACTIVATIONS_LABEL = "activations kept for backward (HF layers, approximated)"
 LOGITS_LABEL = "logits at response positions (whole vocabulary)"
+MASK_LABEL = "attention mask of the packed rows (block-diagonal, T x T bool)"
 FORWARD_GATHERED_LABEL = "gathered units of one forward (FSDP all-gather, {dtype})"
 # what the optimizer step phase is on the FSDP engine (report.py's column legend)
 PHASE_MEANING = {"optimizer step": "gradient norm and clip, then Adam over the shards (gradients were reduce-scattered "
@@ -76,11 +78,21 @@ def on_fsdp(cfg: DictConfig, role: str) -> bool:
 
 
 def micro_batch_tokens(cfg: DictConfig, role: str, seq_len: int) -> int:
-    """Tokens of one of the role's micro-batches, padding included: rows x the longest row stay within
-    micro_batch_tokens (the actor's for the reference), a longer sequence alone
-    (hpcrl.engines.fsdp.forward `_micro_batches`); packing and micro_batch_size do not apply."""
+    """Tokens of one of the role's micro-batches (the actor's settings for the reference): laid out as
+    the Megatron engine lays them out (hpcrl.engines.fsdp.forward `_micro_batches`), so counted as its
+    plan counts them (activations.py `micro_batch_token_count`): the packing budget, a longer sequence
+    alone, or micro_batch_size padded rows."""
     section = cfg[role] if role in ("actor", "critic") else cfg.actor
-    return max(int(section.micro_batch_tokens), seq_len)
+    return micro_batch_token_count(section, seq_len)
+
+
+def mask_bytes(cfg: DictConfig, role: str, seq_len: int) -> int:
+    """The block-diagonal attention mask of one micro-batch on CPU (sdpa: [rows, 1, T, T] bool, the
+    rows' length T squared; hpcrl.engines.fsdp.forward). Flash attention on GPU takes none."""
+    section = cfg[role] if role in ("actor", "critic") else cfg.actor
+    if section.packing:
+        return micro_batch_tokens(cfg, role, seq_len) ** 2
+    return int(section.micro_batch_size) * seq_len ** 2
 
 
 def hf_tensors(shape: ModelShape, head: str = "lm") -> dict[str, list[tuple[int, int]]]:
@@ -233,6 +245,8 @@ class FsdpRole:
         acts = layer_activations(self.shape, run.layouts[self.name], tokens, b, fused_swiglu=False, dense=False)
         phase.add(ACTIVATIONS_LABEL, kept_activation_bytes(acts, layers, 1, run.recompute(self.name)))
         phase.add("working set of one layer", tokens * working_elements_per_token(self.shape, 1) * b)
+        if not self.gpu:
+            phase.add(MASK_LABEL, mask_bytes(run.cfg, self.name, run.seq_len))
         if self.head == "lm":
             entropy = float(run.cfg.actor.entropy_coeff) != 0.0
             phase.add(LOGITS_LABEL, logits_bytes(tokens, self.shape.vocab_size, b, entropy))
@@ -243,6 +257,8 @@ class FsdpRole:
         b = self.compute_bytes
         tokens = micro_batch_tokens(run.cfg, self.name, run.seq_len)
         working = int(tokens * working_elements_per_token(self.shape, 1) * b)
+        if not self.gpu:
+            working += mask_bytes(run.cfg, self.name, run.seq_len)
         if self.head == "lm":
             working += logits_bytes(tokens, self.shape.vocab_size, b, entropy=False)
         # every unit gathered by the end of the forward under reshard_after_forward=false (the engine
@@ -358,8 +374,8 @@ def activation_line(est: Any, cfg: DictConfig) -> str:
     if cfg.actor.fsdp.accumulate_unsharded:
         reshard += ("; every layer gathered and every gradient unsharded over a step's micro-batches, one "
                     "reduce-scatter per step (accumulate_unsharded)")
-    return (f"micro-batches of up to {est.micro_batch_tokens} tokens (actor: padded rows, rows x longest row <= "
-            f"actor.micro_batch_tokens, a longer sequence alone), one at a time (FSDP, no pipeline); "
+    return (f"micro-batches of up to {est.micro_batch_tokens} tokens (actor: laid out as for Megatron, "
+            f"packed or padded rows), one at a time (FSDP, no pipeline); "
             f"{RECOMPUTE_MEANING.get(est.recompute, est.recompute)}{reshard}")
 
 

@@ -138,6 +138,8 @@ class MegatronRole(Worker):
         src = section if trains else cfg["actor"]
         fsdp = cfg["actor"]["fsdp"]  # (one set of FSDP options for every role on the engine)
         options = FsdpOptions(dtype=resolve_dtype(cfg["model"]["dtype"]), micro_batch_tokens=src["micro_batch_tokens"],
+                              packing=src["packing"], micro_batch_size=src["micro_batch_size"],
+                              share_prompt=cfg["actor"]["share_prompt"],
                               recompute=section.get("recompute", "none") if trains else "none",
                               cpu_offload=bool(fsdp.get("cpu_offload", False)),
                               reshard_after_forward=bool(fsdp.get("reshard_after_forward", True)),

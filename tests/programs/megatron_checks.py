@@ -433,9 +433,10 @@ def reference_step_checks(workers: int, res: dict[str, Any], timed: Any) -> None
         case, megatron_got = megatron_update
         t0 = time.time()
         cfg = reference_case_cfg(case, len(batch), 1, 1, REF_T, engine="fsdp")
-        if dp == 2:  # one sequence per micro-batch, accumulated unsharded: one reduce-scatter per step
+        if dp == 2:  # padded rows, one sequence per micro-batch, accumulated unsharded: one reduce-scatter
+            # per step (DP 1 packs each micro-batch into one row, the 2 answers of a prompt sharing it)
             cfg["actor"]["fsdp"]["accumulate_unsharded"] = True
-            cfg["actor"]["micro_batch_tokens"] = 64
+            cfg["actor"].update(packing=False, micro_batch_size=1)
         # torch ranks 0..dp-1 are MPI ranks 1..dp (the controller is MPI rank 0)
         actor = WorkerGroup(MegatronRole, ranks=list(range(1, dp + 1)),
                             init_kwargs={"cfg": cfg, "role": "actor", "ranks": list(range(dp))}, name=f"fsdp-dp{dp}")
@@ -450,7 +451,7 @@ def reference_step_checks(workers: int, res: dict[str, Any], timed: Any) -> None
         res["reference_fsdp"][f"fp32-dp{dp}"] = {
             "engine": {k: described[k] for k in ("engine", "dp", "tp", "pp", "spec")},
             "accumulate_unsharded": cfg["actor"]["fsdp"]["accumulate_unsharded"],
-            "micro_batch_tokens": cfg["actor"]["micro_batch_tokens"],
+            "packing": cfg["actor"]["packing"], "share_prompt": cfg["actor"]["share_prompt"],
             "optimizer_steps": metrics["optimizer_steps"], **reference_errors(ref, steps, got, w0),
             "hpcrl_grad_norm_mean": metrics["grad_norm"], "grad_norms": ref["grad_norms"],
             "hpcrl_clipfrac": metrics["pg_clipfrac"],
@@ -722,6 +723,24 @@ def main() -> None:
                                             "dense_vs_hf": float(((dlp - ref).abs() * mask).max()),
                                             "spec": dense.describe()["spec"]}
             dense.close()
+            # the FSDP engine (DP = every worker) on the same batch: one packed row per micro-batch under a
+            # block-diagonal mask, the prompt laid out once for its 2 answers, or each sequence whole; and
+            # padded rows
+            fsdp = WorkerGroup(MegatronRole, init_kwargs={"cfg": make_cfg(TINY, 1, 1, engine="fsdp"), "role": "actor"},
+                               name="tiny-fsdp")
+            f_lp = fsdp.compute_logprob(batch)
+            f_resp = fsdp.compute_logprob(batch, response_only=True)
+            fsdp.set_packing(True, share_prompt=False)
+            f_whole = fsdp.compute_logprob(batch, response_only=True)
+            fsdp.set_packing(False, 3)
+            f_padded = fsdp.compute_logprob(batch)
+            res["fsdp_packing"] = {"packed_vs_hf": float(((f_lp - ref).abs() * mask).max()),
+                                   "padded_vs_hf": float(((f_padded - ref).abs() * mask).max()),
+                                   "shared_vs_hf": float((f_resp - ref).abs()[rmask].max()),
+                                   "whole_vs_hf": float((f_whole - ref).abs()[rmask].max()),
+                                   "shared_elsewhere": float(f_resp.abs()[~rmask].max()),
+                                   "engine": fsdp.describe()["engine"], "dp": fsdp.layout.dp_size}
+            fsdp.close()
             # HF -> Megatron (TP=2 PP=2) -> HF through the real model, bit for bit
             actor.export_hf(str(tmp / "tiny-rt"))
             a, b = load_safetensors_dir(TINY), load_safetensors_dir(str(tmp / "tiny-rt"))

@@ -23,8 +23,13 @@ from hpcrl.engines.megatron.optimizer import OptimSettings
 @dataclass
 class FsdpOptions:
     dtype: torch.dtype = torch.float32  # compute dtype (the shards stay fp32)
-    # padded micro-batches of at most this many tokens (rows x longest row); a longer sequence alone
+    # packed micro-batches of at most this many tokens (a longer sequence alone)
     micro_batch_tokens: int = 4096
+    # false: micro_batch_size sequences per micro-batch, one right-padded row each
+    packing: bool = True
+    micro_batch_size: int = 4
+    # the samples of one prompt share it in a packed row (where the attention takes a mask: forward.py)
+    share_prompt: bool = True
     # none | full: each decoder layer's activations recomputed in the backward (activation checkpointing)
     recompute: str = "none"
     # GPU: parameters, gradients and optimizer state in host memory between uses (torch's CPUOffloadPolicy)
@@ -81,10 +86,9 @@ def read_hf_arch(model_path: str) -> HfArch:
 
 
 class CausalLMWithHeads(torch.nn.Module):
-    """The HF model with the output computed only where asked: the decoder's hidden states, cut to the
-    label positions (entry t predicts token t+1), then the output layer (or a critic's value head) at
-    the selected positions. The root of the FSDP tree (its hooks gather the embedding, final norm and
-    heads)."""
+    """The HF model with the output computed only where asked: the decoder's hidden states at the
+    selected positions, then the output layer (or a critic's value head). The root of the FSDP tree
+    (its hooks gather the embedding, final norm and heads)."""
 
     def __init__(self, hf: torch.nn.Module, value_head: torch.nn.Linear | None):
         super().__init__()
@@ -92,10 +96,13 @@ class CausalLMWithHeads(torch.nn.Module):
         self.value_head = value_head
         self.softcap = getattr(hf.config, "final_logit_softcapping", None)  # Gemma-2/3 cap their logits
 
-    def forward(self, input_ids: torch.Tensor, select: torch.Tensor | None = None) -> torch.Tensor:
-        # right padding under causal attention: a real token never attends to the padding after it,
-        # so no attention mask is needed and positions are 0.. per row
-        hidden = self.hf.base_model(input_ids=input_ids).last_hidden_state[:, :-1]
+    def forward(self, input_ids: torch.Tensor, select: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Output at the `select`ed positions of input_ids [B, T] (all when None); position_ids restart
+        at each sequence of a packed row; attention_mask: a [B, 1, T, T] mask (True/0 = attend)."""
+        hidden = self.hf.base_model(input_ids=input_ids, position_ids=position_ids,
+                                    attention_mask=attention_mask).last_hidden_state
         if select is not None:
             hidden = hidden[select]
         if self.value_head is not None:
@@ -166,6 +173,11 @@ class FsdpEngine(ForwardMixin):
         if self.options.recompute == "full":
             hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         hf.config.use_cache = False
+        # the attention implementations that take pack's block-diagonal mask (forward.py); a sliding
+        # window the mask would replace (the longest sequence it stays exact for)
+        self.masked_attention = hf.config._attn_implementation in ("sdpa", "eager")
+        text = getattr(hf.config, "get_text_config", lambda: hf.config)()
+        self.sliding_window = getattr(text, "sliding_window", None) or None
         # built in host memory: fully_shard moves each unit to the device as it cuts it, so a GPU holds
         # one unit's full tensors at a time while the engine builds, never the whole model
         model = CausalLMWithHeads(hf, head)
@@ -214,6 +226,13 @@ class FsdpEngine(ForwardMixin):
         tied output weights are not repeated (the HF folder ties them)."""
         src = self.megatron_shard() if tensors is None else tensors
         return {k: gather_full(v, self.options.dtype).cpu() for k, v in src.items()}
+
+    def stream_rollout_weights(self, bucket_bytes: int, stats: Any) -> Any:
+        """HF-named full tensors for the rollout engine, bucket by bucket (hpcrl.engines.fsdp.weights;
+        a collective)."""
+        from hpcrl.engines.fsdp.weights import stream_fsdp_weights
+
+        return stream_fsdp_weights(self, bucket_bytes, stats)
 
     def optimizer_state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds (its shards' AdamW moments)."""

@@ -1,14 +1,26 @@
-"""The FSDP engine's forwards and update: padded micro-batches, log-probs, entropies, values, and one
+"""The FSDP engine's forwards and update: packed micro-batches, log-probs, entropies, values, and one
 optimizer step over a mini-batch.
+
+Micro-batches are laid out as the Megatron engine lays them out (hpcrl.engines.megatron.packing): with
+`packing` one row of whole sequences back to back under `micro_batch_tokens`, the samples of one prompt
+sharing it (`share_prompt`); without, `micro_batch_size` sequences per row, right-padded. Each sequence
+attends only to itself, at its own positions (`position_ids` drive RoPE), in one of two ways:
+- a block-diagonal causal mask, the [B, 1, T, T] mask `pack` builds (attention "sdpa" or "eager", the CPU
+  path): the only way a shared prompt's branches see their prefix. Not for a sequence longer than a
+  sliding window (the mask replaces the model's own, so the window would be lost): those micro-batches
+  go the second way;
+- `position_ids` alone (flash attention on GPU, and the case above): transformers cuts the row where the
+  positions restart, varlen attention under flash attention and its own per-sequence mask otherwise
+  (window included). No prompt sharing there.
 
 Every FSDP forward all-gathers each layer's parameters over the group, so every rank must run the same
 number of forwards (and backwards): a rank with fewer micro-batches than the most loaded one runs empty
-ones (no output position; zero gradients). Results and loss fields are laid out like labels: row i of a
-micro-batch is one sequence, entry t the prediction of token t+1, `label_mask` 1 on the real positions.
+ones (no output position; zero gradients). Results and loss fields are laid out like labels: position t
+of a row holds the prediction of labels[t], `label_mask` 1 on the real positions.
 
 `ForwardMixin` is part of `FsdpEngine` (hpcrl.engines.fsdp.engine), which sets `model`, `options`,
 `group`, `device`, `units`, `value_head`, `optimizer`, `optim`, `trainable`, `step_count`, `nonfinite_in_a_row`,
-`record_grads`.
+`record_grads`, `masked_attention`, `sliding_window`.
 """
 
 from __future__ import annotations
@@ -16,8 +28,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -25,67 +35,56 @@ import torch.distributed as dist
 
 from hpcrl.engines.fsdp.shards import gather_full, local_shard
 from hpcrl.engines.megatron.optimizer import lr_factor, square_sum
+from hpcrl.engines.megatron.packing import (
+    PackedMicroBatch,
+    pack,
+    packing_units,
+    plan_micro_batches,
+    plan_padded_micro_batches,
+    unit_length,
+    unpack_token_values,
+)
 
 log = logging.getLogger("hpcrl.engine")
-
-
-@dataclass
-class PaddedMicroBatch:
-    """Whole sequences, right-padded to the longest: `ids` [B, T], per-position `label_mask` and token
-    fields [B, T-1]. `placement[i].seq` is row i's index in the call's sequence list."""
-
-    ids: torch.Tensor
-    label_mask: torch.Tensor
-    extra: dict[str, torch.Tensor] = field(default_factory=dict)
-    placement: list[Any] = field(default_factory=list)
-
-    @property
-    def empty(self) -> bool:
-        return not self.placement
 
 
 class ForwardMixin:
     """The forward and update part of `FsdpEngine`."""
 
     def _micro_batches(self, seqs: list[torch.Tensor], token_fields: dict[str, list[torch.Tensor]] | None = None
-                       ) -> list[PaddedMicroBatch]:
-        """Consecutive sequences per micro-batch while rows x longest row stays within
-        options.micro_batch_tokens (a longer sequence is a micro-batch of its own)."""
-        budget = self.options.micro_batch_tokens
-        groups: list[list[int]] = []
-        for i, s in enumerate(seqs):
-            if groups and (len(groups[-1]) + 1) * max(s.numel(), *(seqs[j].numel() for j in groups[-1])) <= budget:
-                groups[-1].append(i)
-            else:
-                groups.append([i])
-        return [self._pad(seqs, rows, token_fields or {}) for rows in groups]
+                       ) -> list[PackedMicroBatch]:
+        """The call's micro-batches (see the module docstring), each only as long as its longest row."""
+        lengths = [int(s.numel()) for s in seqs]
+        window = self.sliding_window
+        masked = self.masked_attention and (window is None or max(lengths, default=0) <= window)
+        if self.options.packing:
+            units = packing_units(seqs, token_fields, self.options.micro_batch_tokens,
+                                  self.options.share_prompt and masked)
+            groups = plan_micro_batches([unit_length(u, lengths) for u in units], self.options.micro_batch_tokens)
+            rows_of = [[[units[u] for u in g]] for g in groups]
+        else:
+            rows_of = [[[i] for i in g] for g in plan_padded_micro_batches(len(seqs), self.options.micro_batch_size)]
+        return [pack(seqs, rows, max(sum(unit_length(u, lengths) for u in row) for row in rows), token_fields,
+                     dense_mask=masked) for rows in rows_of]
 
-    @staticmethod
-    def _pad(seqs: list[torch.Tensor], rows: list[int], fields: dict[str, list[torch.Tensor]]) -> PaddedMicroBatch:
-        width = max(seqs[i].numel() for i in rows)
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        mask = torch.zeros(len(rows), width - 1)
-        extra = {k: torch.zeros(len(rows), width - 1, dtype=v[0].dtype if v else torch.float32)
-                 for k, v in fields.items()}
-        for r, i in enumerate(rows):
-            n = seqs[i].numel()
-            ids[r, :n] = seqs[i]
-            mask[r, :n - 1] = 1
-            for k, v in fields.items():
-                extra[k][r, :n - 1] = v[i]
-        return PaddedMicroBatch(ids, mask, extra, [SimpleNamespace(seq=i) for i in rows])
-
-    def _equalised(self, mbs: list[PaddedMicroBatch], fields: list[str]) -> list[PaddedMicroBatch]:
+    def _equalised(self, mbs: list[PackedMicroBatch], fields: list[str]) -> list[PackedMicroBatch]:
         """`mbs` plus empty micro-batches up to the group's most (every rank runs as many forwards)."""
         n = torch.tensor([len(mbs)], dtype=torch.long)
         dist.all_reduce(n, op=dist.ReduceOp.MAX, group=self.group)
-        empty = PaddedMicroBatch(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 1),
-                                 {k: torch.zeros(1, 1) for k in fields})
+        zeros = torch.zeros(1, 2)
+        empty = PackedMicroBatch(torch.zeros(1, 2, dtype=torch.long), torch.arange(2)[None], None,
+                                 torch.zeros(1, 2, dtype=torch.long), zeros, [], {k: zeros for k in fields})
         return mbs + [empty] * (int(n) - len(mbs))
 
-    def _output(self, mb: PaddedMicroBatch, select: torch.Tensor) -> torch.Tensor:
+    def _output(self, mb: PackedMicroBatch, select: torch.Tensor) -> torch.Tensor:
         """The model's output (logits [n, V] or values [n]) at the selected label positions."""
-        return self.model(mb.ids.to(self.device), select.to(self.device))
+        mask = None
+        if mb.attention_mask is not None:  # pack's mask is True where masked out; transformers' the reverse
+            keep = ~mb.attention_mask.to(self.device)
+            mask = keep if self.model.hf.config._attn_implementation == "sdpa" else \
+                torch.zeros(keep.shape, dtype=self.options.dtype, device=self.device).masked_fill(
+                    ~keep, torch.finfo(self.options.dtype).min)
+        return self.model(mb.tokens.to(self.device), select.to(self.device), mb.position_ids.to(self.device), mask)
 
     @staticmethod
     def _scatter(values: torch.Tensor, select: torch.Tensor) -> torch.Tensor:
@@ -118,9 +117,8 @@ class ForwardMixin:
             select = mb.label_mask.bool()
             if fields is not None:
                 select &= mb.extra["positions"].bool()
-            values = self._scatter(per_position(self._output(mb, select), mb.ids[:, 1:][select]), select).cpu()
-            for r, p in enumerate(mb.placement):
-                out[p.seq] = values[r, :seqs[p.seq].numel() - 1].clone()
+            values = self._scatter(per_position(self._output(mb, select), mb.labels[select]), select).cpu()
+            out.update({i: v.clone() for i, v in unpack_token_values(values, mb).items()})
         if not self.options.reshard_after_forward:
             # FSDP2 reshards such units in the backward only: without one they would stay gathered
             for unit in self.units:
@@ -182,21 +180,21 @@ class ForwardMixin:
             unit.set_reshard_after_backward(not on, recurse=False)
             unit.set_reshard_after_forward(False if on else self.options.reshard_after_forward, recurse=False)
 
-    def _micro_step(self, mb: PaddedMicroBatch, loss_fn: Callable[..., Any], need_entropy: bool, temperature: float,
+    def _micro_step(self, mb: PackedMicroBatch, loss_fn: Callable[..., Any], need_entropy: bool, temperature: float,
                     entropy_grad: bool, store: list[dict[str, torch.Tensor]]) -> None:
         """One micro-batch's forward and backward; its metrics appended to `store`."""
         select = mb.label_mask.bool()
         if not self.value_head and "loss_weight" in mb.extra:  # the actor's logits where a loss weight is
             select &= mb.extra["loss_weight"] > 0
         output = self._output(mb, select)
-        if mb.empty:  # the group's forwards and gradient reductions, with nothing of this rank's
+        if not mb.placement:  # the group's forwards and gradient reductions, with nothing of this rank's
             (output.sum() * 0.0).backward()
             return
         entropy = None
         if self.value_head:
             out = self._scatter(output.float(), select)
         else:
-            out = self._scatter(self.token_logprobs(output, mb.ids[:, 1:][select], temperature), select)
+            out = self._scatter(self.token_logprobs(output, mb.labels[select], temperature), select)
             if need_entropy:
                 with torch.set_grad_enabled(entropy_grad):
                     entropy = self._scatter(self.token_entropy(output if entropy_grad else output.detach(),

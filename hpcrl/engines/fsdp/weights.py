@@ -8,19 +8,18 @@ rollout's dtype. What a rank receives is exactly what it lacks: (DP - 1)/DP of t
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from hpcrl.engines.fsdp.shards import gather_full, local_shard
+from hpcrl.engines.reshard import bucket_tensors
 
 
 def stream_fsdp_weights(engine: Any, bucket_bytes: int, stats: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """HF-named full tensors of the whole model (a collective: every rank of the engine's group consumes
     the iterator to its end, in the same order); `stats` is a hpcrl.engines.reshard.ReshardStats."""
-    busy = time.perf_counter()
     named = list(engine.megatron_shard().items())
     dtype = engine.options.dtype
     stats.bucket_bytes = bucket_bytes
@@ -47,14 +46,5 @@ def stream_fsdp_weights(engine: Any, bucket_bytes: int, stats: Any) -> Iterator[
         live = sum(t.numel() * t.element_size() for t in hf.values())
         peak = max(peak, live)
         stats.largest_bucket_bytes = max(stats.largest_bucket_bytes, live)
-        if engine.arch.tie_word_embeddings and "model.embed_tokens.weight" in hf:
-            # vLLM on CPU keeps a separate packed output layer: it takes the tied copy too
-            hf["lm_head.weight"] = hf["model.embed_tokens.weight"]
-        stats.buckets += 1
-        stats.tensors_pushed += len(hf)
-        for name in list(hf):
-            stats.extra["transfer_convert_s"] = stats.extra.get("transfer_convert_s", 0.0) + time.perf_counter() - busy
-            yield name, hf.pop(name)
-            busy = time.perf_counter()
-    stats.extra["transfer_convert_s"] = stats.extra.get("transfer_convert_s", 0.0) + time.perf_counter() - busy
+        yield from bucket_tensors(hf, stats, engine.arch.tie_word_embeddings)
     stats.peak_extra_bytes = peak

@@ -27,9 +27,9 @@ from hpcrl.engines.megatron.packing import (
     PackedMicroBatch,
     Unit,
     pack,
+    packing_units,
     plan_micro_batches,
     plan_padded_micro_batches,
-    shared_prefix_units,
     shares_prefixes,
     unit_length,
     unpack_token_values,
@@ -169,21 +169,13 @@ class ForwardMixin:
         return mbs if cp == 1 else [local_part(mb, cp, self.cp_rank) for mb in mbs]
 
     def _units(self, seqs: list[torch.Tensor], token_fields: dict[str, list[torch.Tensor]] | None) -> list[Unit]:
-        """What the packed rows hold: the sequences, with the samples of one prompt sharing it
-        when only later positions carry a loss or a requested output (`share_prompt`)."""
-        fields = token_fields or {}
-        needed = fields.get("loss_weight", fields.get("positions"))
+        """What the packed rows hold (`packing_units`): prompts shared when `share_prompt` and the
+        layout allow it."""
         # the local spec's attention takes the branch layout (TE's packed attention does not), and a
         # branch needs RoPE at its tokens' own positions (another position embedding: no sharing)
         # (nor with CP: a rank's chunks of a branch would need its prefix's chunks on other ranks)
         shares = self.options.share_prompt and self.spec == "local" and self._rope_by_position and self.cp_size == 1
-        if not shares or needed is None:
-            return list(range(len(seqs)))
-        first = []
-        for v in needed:
-            nz = torch.nonzero(v).flatten()
-            first.append(int(nz[0]) if nz.numel() else 0)
-        return shared_prefix_units(seqs, first, self.options.micro_batch_tokens)
+        return packing_units(seqs, token_fields, self.options.micro_batch_tokens, shares)
 
     def _run(self, mbs: list[PackedMicroBatch], loss_fn: Callable, forward_only: bool,
              positions: Callable[[PackedMicroBatch], torch.Tensor | None] | None = None) -> list[Any]:

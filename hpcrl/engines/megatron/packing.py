@@ -90,6 +90,21 @@ def shared_prefix_units(seqs: list[torch.Tensor], first_needed: list[int], token
     return units
 
 
+def packing_units(seqs: list[torch.Tensor], token_fields: dict[str, list[torch.Tensor]] | None, token_budget: int,
+                  share: bool) -> list[Unit]:
+    """What packed rows hold: the sequences, with the samples of one prompt sharing it (`share`) when
+    only later positions carry a loss (`loss_weight`) or a requested output (`positions`)."""
+    fields = token_fields or {}
+    needed = fields.get("loss_weight", fields.get("positions"))
+    if not share or needed is None:
+        return list(range(len(seqs)))
+    first = []
+    for v in needed:
+        nz = torch.nonzero(v).flatten()
+        first.append(int(nz[0]) if nz.numel() else 0)
+    return shared_prefix_units(seqs, first, token_budget)
+
+
 def plan_micro_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
     """Group sequence (or unit) indices into micro-batches of at most `token_budget` tokens (a longer
     sequence gets a micro-batch of its own), balanced: longest first, each into the emptiest
