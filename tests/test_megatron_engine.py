@@ -113,9 +113,10 @@ def test_update_is_the_same_at_tp2_pp2_and_tp1_pp1(checks: dict) -> None:
 
 
 def test_lora_matches_peft_and_trains_the_adapters_only(checks: dict) -> None:
-    """LoRA (actor.lora) at TP x PP 1x1 and the largest layout, started from adapters peft wrote."""
+    """LoRA (actor.lora) at TP x PP 1x1 and the largest layout, and on the FSDP engine (PEFT's own LoRA
+    layers, hpcrl.engines.fsdp.lora), started from adapters peft wrote."""
     lo = checks["lora"]
-    assert lo["layouts"] == ["1x1", LAYOUTS[-1]]
+    assert lo["layouts"] == ["1x1", LAYOUTS[-1], "fsdp"]
     assert lo["spread"] > 0.05  # the adapters change the log-probs: the comparison below can fail
     for key in lo["layouts"]:
         assert lo["adapted_vs_peft"][key] < 1e-4, (key, lo)  # merged-model forward = HF + peft
@@ -126,7 +127,9 @@ def test_lora_matches_peft_and_trains_the_adapters_only(checks: dict) -> None:
         assert r["adapters_changed"] > 1e-4, key  # every lora_B moved
         assert r["adapter_tensors"] == 2 * 7 * 2  # A and B of 7 HF modules in each of 2 layers
         assert r["moved"] > 1e-3 and r["exported_vs_actor"] < 1e-4, (key, r)  # the export loads in peft
-    assert lo["layouts_max_abs_diff"] < 1e-5  # the same update in both layouts
+    assert lo["layouts_max_abs_diff"] < 1e-5  # the same update in both Megatron layouts
+    # the FSDP actor's checkpoint, exported: its adapters load in peft, its merged weights in transformers
+    assert lo["fsdp"]["ckpt_peft_vs_actor"] < 1e-4 and lo["fsdp"]["ckpt_merged_vs_actor"] < 1e-4, lo["fsdp"]
 
 
 def test_memory_plan_terms_match_what_an_actor_holds(checks: dict) -> None:
@@ -303,6 +306,22 @@ def test_fsdp_actor_step_matches_the_reference_and_the_megatron_engine(checks: d
         ref_norm = sum(c["grad_norms"]) / len(c["grad_norms"])
         assert c["hpcrl_grad_norm_mean"] == pytest.approx(ref_norm, rel=FP32_NORM_REL), (name, c)
         assert c["hpcrl_clipfrac"] > 0 and c["hpcrl_clipfrac"] == pytest.approx(c["ref_clipfrac"], rel=1e-6), c
+
+
+def test_fsdp_lora_step_matches_the_peft_reference(checks: dict) -> None:
+    """LoRA on the FSDP engine (PEFT's LoRA layers, actor.lora.rank=4, all-linear, DP = every worker) on
+    the first fp32 case, 4 optimizer steps, against tests/programs/reference_ppo.py on the HF model with
+    PEFT's layers started from the engine's initial adapters: every step's adapter gradients, the
+    adapters' change, and the merged weights the engine hands out (W + alpha/r B A); the base bit for bit
+    as loaded. Control: the reference at twice alpha is farther than the tolerance."""
+    if "1x1" not in LAYOUTS:
+        pytest.skip("the FSDP cases run with the 1x1 reference case")
+    c = checks["reference_fsdp_lora"]
+    assert c["dp"] >= 2 and c["optimizer_steps"] == 4 and c["modules"] == 2 * 7 and c["adapters"] == 2 * 2 * 7, c
+    assert c["same_names"] and c["base_unchanged"], c
+    assert max(c["grad_rel"]) < FP32_REL and c["update_rel"] < FP32_REL and c["merged_rel"] < FP32_REL, c
+    control = c["control_twice_the_scale"]
+    assert max(max(control["grad_rel"]), control["update_rel"], control["merged_rel"]) > 100 * FP32_REL, control
 
 
 def test_fsdp_recompute_gives_the_same_update_keeping_less(checks: dict) -> None:

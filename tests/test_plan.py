@@ -809,6 +809,24 @@ def test_fsdp_actor_state_is_the_megatron_plans_over_dp() -> None:
     assert phases["optimizer step"]["optimizer temporaries"] == 4 * 49152 // 2 * 576
 
 
+def test_fsdp_lora_trains_the_adapters_alone() -> None:
+    """LoRA on the FSDP engine (rank 8, all-linear, DP=2): gradients and moments of the adapters' half
+    only, the weights the base's half plus the adapters', no unsharded base gradients, no reference."""
+    from hpcrl.plan.memory import lora_shard_params
+
+    shape = _smollm2_shape()
+    full = _smollm2_phases("actor.engine=fsdp")["update actor"]
+    lora = _smollm2_phases("actor.engine=fsdp", "actor.lora.rank=8")["update actor"]
+    adapters = lora_shard_params(shape, 8, ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"), 1, 1)
+    half = -(-adapters // 2)
+    assert lora[f"actor weights ({FSDP_SHARD})"] == full[f"actor weights ({FSDP_SHARD})"] + 4 * half
+    assert lora[f"actor gradients ({FSDP_SHARD})"] == 4 * half
+    assert lora[f"actor Adam moments (2 x {FSDP_SHARD})"] == 8 * half
+    assert lora["actor unsharded adapter gradients (LoRA, fp32)"] == 4 * adapters
+    assert "actor unsharded gradients before reduce-scatter" not in lora
+    assert not any(label.startswith("reference") for label in lora)
+
+
 def test_fsdp_reshard_after_forward_false_keeps_a_full_copy() -> None:
     """reshard_after_forward=false (GPU, bf16): every layer stays gathered from its forward to its
     backward, which with the root is a full bf16 copy of the model in the update; a reference on FSDP

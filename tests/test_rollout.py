@@ -25,6 +25,8 @@ SCENARIOS = ["tiny_tp1", "tiny_tp2", "smollm2_tp1"]
 # + LoRA adapters at TP=1 PP=1 (DP=4): every rank holds the whole model, so nothing travels; each
 # merges its own adapters into what it pushes
 LORA_SCENARIO = "tiny_lora_tp1"
+# + the FSDP engine with LoRA (PEFT's adapters, DP=4) -> rollout TP=2: full merged tensors gathered by every rank
+FSDP_LORA_SCENARIO = "tiny_fsdp_lora_tp2"
 # the tiny Qwen3-MoE: Megatron TP=2 SP -> rollout TP=1, and TP=1 -> rollout TP=2 with routing replay
 MOE_SCENARIOS = ["moe_tp1", "moe_tp2"]
 
@@ -54,7 +56,7 @@ def checks(tmp_path_factory: pytest.TempPathFactory, killed_world: dict) -> dict
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("scenario", [*SCENARIOS, LORA_SCENARIO, *MOE_SCENARIOS])
+@pytest.mark.parametrize("scenario", [*SCENARIOS, LORA_SCENARIO, FSDP_LORA_SCENARIO, *MOE_SCENARIOS])
 def test_vllm_logprobs_match_actor_after_each_reshard(checks: dict, scenario: str) -> None:
     s = checks[scenario]
     assert s["gap_after_reshard_1"] < 1e-4, s

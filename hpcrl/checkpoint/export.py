@@ -107,22 +107,21 @@ def _publish(tmp: Path, out: Path) -> None:
 def export_peft(ckpt: str | Path, out_dir: str | Path, role: str = "actor", model_path: str | None = None
                 ) -> dict[str, Any]:
     """Write the LoRA adapters of `role` as a PEFT folder (adapter_config.json names the base)."""
-    from hpcrl.checkpoint.fsdp_state import is_fsdp_role
+    from hpcrl.checkpoint.fsdp_state import is_fsdp_role, read_meta, saved_peft_adapters
     from hpcrl.engines.megatron.lora import write_peft_folder
 
     ckpt, out = Path(ckpt), Path(out_dir)
-    if is_fsdp_role(ckpt / role):
-        raise ValueError(f"{ckpt / role}: written by the FSDP engine, which trains full weights (no LoRA adapters); "
-                         "export the full weights without --lora")
-    saved = SavedRole(ckpt / role)
-    if not saved.meta0.get("lora"):
+    fsdp = is_fsdp_role(ckpt / role)
+    saved: Any = read_meta(ckpt / role) if fsdp else SavedRole(ckpt / role)
+    meta = saved if fsdp else saved.meta0
+    if not meta.get("lora"):
         raise ValueError(f"{ckpt / role}: no LoRA adapters in this checkpoint (actor.lora.rank was 0); "
                          "export the full weights without --lora")
     src = source_model_path(ckpt, saved, model_path)
     tmp = _staging(out)
     try:
-        tensors = saved_adapters(saved)
-        write_peft_folder(tmp, tensors, _lora_settings(saved.meta0["lora"]), str(src.resolve()))
+        tensors = saved_peft_adapters(ckpt / role) if fsdp else saved_adapters(saved)
+        write_peft_folder(tmp, tensors, _lora_settings(meta["lora"]), str(src.resolve()))
         for f in tmp.iterdir():
             fsync_file(f)
         _publish(tmp, out)
@@ -131,7 +130,8 @@ def export_peft(ckpt: str | Path, out_dir: str | Path, role: str = "actor", mode
         raise
     return {"out": str(out), "files": 2, "tensors": len(tensors),
             "bytes": sum(t.numel() * t.element_size() for t in tensors.values()), "model_path": str(src),
-            "step_count": saved.meta0["step_count"], "layout": saved.meta0["layout"]}
+            "step_count": meta["step_count"], "layout": meta.get("layout") or {"tp": 1, "pp": 1, "dp": meta["dp"],
+                                                                           "engine": "fsdp"}}
 
 
 def export_hf(ckpt: str | Path, out_dir: str | Path, role: str = "actor", model_path: str | None = None,
@@ -166,7 +166,7 @@ def export_hf(ckpt: str | Path, out_dir: str | Path, role: str = "actor", model_
 def _export_fsdp_hf(ckpt: Path, out: Path, role: str, model_path: str | None, max_shard_bytes: int
                     ) -> dict[str, Any]:
     """export_hf of a role the FSDP engine saved (hpcrl.checkpoint.fsdp_state): DCP's shards put
-    together into HF-named tensors, in the model's dtype as saved (fp32 shards)."""
+    together into HF-named tensors, in the model's dtype as saved (fp32 shards); LoRA adapters merged."""
     from hpcrl.checkpoint.fsdp_state import read_meta, saved_hf_tensors
 
     meta = read_meta(ckpt / role)
@@ -175,6 +175,10 @@ def _export_fsdp_hf(ckpt: Path, out: Path, role: str, model_path: str | None, ma
     src = source_model_path(ckpt, meta, model_path)
     tmp = _staging(out)
     tensors = saved_hf_tensors(ckpt / role)
+    if meta.get("lora"):  # the adapters merged into the weights they adapt
+        from hpcrl.engines.fsdp.lora import merged_state
+
+        tensors = merged_state(tensors, _lora_settings(meta["lora"]).scale)
     total, parts, weight_map = _write_hf_folder(tmp, out, src, iter(tensors.items()), max_shard_bytes)
     return {"out": str(out), "files": len(parts), "tensors": len(weight_map), "bytes": total, "model_path": str(src),
             "step_count": meta["step_count"], "layout": {"tp": 1, "pp": 1, "dp": meta["dp"], "engine": "fsdp"}}

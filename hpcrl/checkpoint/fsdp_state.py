@@ -31,6 +31,12 @@ def _local_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _lora_meta(engine: Any) -> dict[str, Any] | None:
+    """The LoRA settings of an FSDP actor (what `hpcrl ckpt export-hf --lora` writes into the PEFT config)."""
+    lora = getattr(engine, "lora", None)
+    return None if lora is None else {**asdict(lora.settings), "targets": list(lora.settings.targets)}
+
+
 class FsdpCheckpointer:
     """Save and load of one role's FSDP engine on one rank (a collective over the engine's group).
     async_save is written before `save` returns too (DCP's own async save needs a second process
@@ -75,7 +81,7 @@ class FsdpCheckpointer:
         if e.dp_rank == 0:
             meta = {"engine": "fsdp", "arch": asdict(e.arch), "model_path": str(Path(self.model_path).resolve()),
                     "value_head": bool(e.value_head), "step_count": e.step_count,
-                    "nonfinite_in_a_row": e.nonfinite_in_a_row, "dp": e.dp_size}
+                    "nonfinite_in_a_row": e.nonfinite_in_a_row, "dp": e.dp_size, "lora": _lora_meta(e)}
             write_durable(role_dir / META, json.dumps(meta, indent=1))
             records += [file_record(f, root) for f in sorted(role_dir.iterdir()) if f.is_file()]
         key = str(root.resolve())
@@ -111,6 +117,9 @@ class FsdpCheckpointer:
         if meta["arch"] != asdict(e.arch):
             diff = {k: (meta["arch"].get(k), v) for k, v in asdict(e.arch).items() if meta["arch"].get(k) != v}
             raise ValueError(f"{role_dir}: saved from another model (saved vs current: {diff})")
+        if meta.get("lora") != _lora_meta(e):
+            raise ValueError(f"{role_dir}: saved with actor.lora {meta.get('lora') or 'off'}, this run has "
+                             f"{_lora_meta(e) or 'off'}; resume with the LoRA settings it was saved with")
         state = self._state()  # (torch creates AdamW's moments first: DCP loads into existing tensors)
         dcp.load(state, storage_reader=dcp.FileSystemReader(str(role_dir)), process_group=e.group)
         set_model_state_dict(e.model, state["model"])
@@ -146,3 +155,10 @@ def saved_hf_tensors(role_dir: str | Path) -> dict[str, torch.Tensor]:
         warnings.simplefilter("ignore", UserWarning)
         state = _load_state_dict_from_keys({"model"}, checkpoint_id=str(role_dir))
     return {k.removeprefix("hf."): v for k, v in state["model"].items()}
+
+
+def saved_peft_adapters(role_dir: str | Path) -> dict[str, torch.Tensor]:
+    """The saved LoRA adapters, full and PEFT-named (hpcrl.engines.fsdp.lora)."""
+    from hpcrl.engines.fsdp.lora import is_adapter, peft_name
+
+    return {peft_name(k): v for k, v in saved_hf_tensors(role_dir).items() if is_adapter(k)}

@@ -39,9 +39,6 @@ def engine_problems(cfg: DictConfig) -> list[str]:
             problems.append(f"{role}.recompute=selective: the FSDP engine recomputes whole layers (full) or "
                             "nothing (none).")
     if engines["actor"] == "fsdp":
-        if cfg.actor.lora.rank:
-            problems.append(f"actor.lora.rank={cfg.actor.lora.rank}: LoRA runs on the Megatron engine; the FSDP "
-                            "engine trains every weight. Set actor.engine=megatron for LoRA.")
         if cfg.rollout.routing_replay:
             problems.append("rollout.routing_replay=true: the FSDP engine routes its MoE layers itself (no "
                             "replay). Set actor.engine=megatron for routing replay.")

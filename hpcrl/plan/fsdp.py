@@ -145,6 +145,7 @@ class FsdpRole:
     on_host: bool = False  # actor.fsdp.cpu_offload on GPU: shards, gradients and moments in host memory
     reshard_after_forward: bool = True
     accumulate_unsharded: bool = False  # actor.fsdp.accumulate_unsharded: every unit gathered over the micro-batches
+    adapters: int = 0  # LoRA (actor.lora.rank): the adapters' parameters, the only ones trained (full model)
     units: dict[str, list[tuple[int, int]]] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -168,8 +169,14 @@ class FsdpRole:
 
     @property
     def params(self) -> int:
-        """Parameters of this rank's shards."""
-        return _shard(self.units["root"], self.dp) + self.shape.num_layers * _shard(self.units["layer"], self.dp)
+        """Parameters of this rank's shards (LoRA adapters included)."""
+        base = _shard(self.units["root"], self.dp) + self.shape.num_layers * _shard(self.units["layer"], self.dp)
+        return base + (self.trained_params if self.adapters else 0)
+
+    @property
+    def trained_params(self) -> int:
+        """Parameters of this rank's shards that the optimizer steps: with LoRA the adapters' share."""
+        return -(-self.adapters // self.dp) if self.adapters else self.params
 
     @property
     def weights(self) -> int:
@@ -177,11 +184,11 @@ class FsdpRole:
 
     @property
     def step_grads(self) -> int:
-        return 4 * self.params if self.trains else 0
+        return 4 * self.trained_params if self.trains else 0
 
     @property
     def adam(self) -> int:
-        return 8 * self.params if self.trains else 0
+        return 8 * self.trained_params if self.trains else 0
 
     @property
     def resident(self) -> int:
@@ -232,7 +239,10 @@ class FsdpRole:
             phase.add(f"{self.name} gathered layers: all {layers} kept to the backward ("
                       + self._tag("reshard_after_forward=false") + ")", layers * self.layer_params * b)
         phase.add(f"{self.name} all-gather buffers (" + self._tag("FSDP") + ")", self._buffers())
-        if self.accumulate_unsharded:
+        if self.adapters:
+            # LoRA: the frozen base has no gradient; the adapters' full gradients before their reduce-scatter
+            phase.add(f"{self.name} unsharded adapter gradients (LoRA, fp32)", self.adapters * 4)
+        elif self.accumulate_unsharded:
             # every unit's full gradient, summed over the step's micro-batches, reduce-scattered at the last
             phase.add(f"{self.name} unsharded gradients accumulated over the micro-batches (fp32)",
                       self.total_params * 4)
@@ -305,14 +315,16 @@ class FsdpRole:
         return max(-(-rows // self.dp) * row for rows, row in self.units["root"] + self.units["layer"]) * 4
 
 
-def fsdp_role(run: Any, name: str, shape: ModelShape, trains: bool, head: str = "lm") -> FsdpRole:
-    """`name`'s FsdpRole in this plan (the options are actor.fsdp's for every role, as the engine's)."""
+def fsdp_role(run: Any, name: str, shape: ModelShape, trains: bool, head: str = "lm", adapters: int = 0
+              ) -> FsdpRole:
+    """`name`'s FsdpRole in this plan (the options are actor.fsdp's for every role, as the engine's);
+    adapters: the LoRA adapters' parameters of an actor (memory.py `lora_shard_params` at TP = PP = 1)."""
     cfg = run.cfg
     options = cfg.actor.fsdp
     return FsdpRole(name, shape, run.layouts[name].dp, run.dtype, trains, head=head, gpu=run.gpu,
                     on_host=run.gpu and bool(options.cpu_offload),
                     reshard_after_forward=bool(options.reshard_after_forward),
-                    accumulate_unsharded=bool(options.accumulate_unsharded) and trains)
+                    accumulate_unsharded=bool(options.accumulate_unsharded) and trains, adapters=adapters)
 
 
 def host_pinned(roles: list[Any], per_node: int) -> dict[str, int]:

@@ -368,9 +368,13 @@ def _stage_estimate(run: _Run, stage: int, engines: bool = True) -> tuple[list[P
     if lora.rank:  # LoRA: the optimizer holds the adapters only; the reference is the frozen base itself
         from hpcrl.engines.megatron.lora import resolve_targets
 
-        adapters = lora_shard_params(policy, lora.rank, resolve_targets(list(lora.target_modules)), tp, pp)
+        targets = resolve_targets(list(lora.target_modules))
+        # (on FSDP, TP = PP = 1: each adapter whole, then cut over DP; q/k/v's 3 A's counted as 1)
+        adapters = lora_shard_params(policy, lora.rank, targets, 1, 1) if fsdp.on_fsdp(cfg, "actor") else \
+            lora_shard_params(policy, lora.rank, targets, tp, pp)
     ep = {role: moe.expert_parallel(cfg, role, lay) for role, lay in run.layouts.items()}
-    actor: _Role | fsdp.FsdpRole = fsdp.fsdp_role(run, "actor", policy, True) if fsdp.on_fsdp(cfg, "actor") else \
+    actor: _Role | fsdp.FsdpRole = fsdp.fsdp_role(run, "actor", policy, True, adapters=adapters or 0) \
+        if fsdp.on_fsdp(cfg, "actor") else \
         _role("actor", policy, actor_lay, stage, run, True, ep=ep["actor"],
               shard_over_dp=cfg.actor.optim.shard_over_dp, adapters=adapters)
     others: list[_Role | fsdp.FsdpRole] = []

@@ -48,6 +48,12 @@ def _use_layout(tp: int, pp: int, seed: int, cp: int = 1, ep: int = 1) -> None:
     _layout_in_use = (tp, pp, cp, ep)
 
 
+def lora_options(cfg: dict[str, Any]) -> tuple[LoraSettings | None, str | None]:
+    """The actor's LoRA settings and the PEFT folder to start from (either engine)."""
+    settings = lora_settings(cfg)
+    return settings, (cfg["actor"].get("lora") or {}).get("adapters") if settings else None
+
+
 def lora_settings(cfg: dict[str, Any]) -> LoraSettings | None:
     """The actor's LoRA settings from a resolved config (None: full fine-tuning)."""
     lora = cfg["actor"].get("lora") or {}
@@ -125,8 +131,7 @@ class MegatronRole(Worker):
                                       # the actor's forwards replay the rollout's experts (R3)
                                       routing_replay=role == "actor" and bool(cfg["rollout"].get("routing_replay")))
         if role == "actor":
-            options.lora = lora_settings(cfg)
-            options.lora_adapters = (cfg["actor"].get("lora") or {}).get("adapters") if options.lora else None
+            options.lora, options.lora_adapters = lora_options(cfg)
         return MegatronEngine(path, options, value_head=role == "critic", optim=optim)
 
     def _fsdp_engine(self, path: str, trains: bool, optim: OptimSettings | None, ranks: list[int] | None) -> Any:
@@ -144,6 +149,8 @@ class MegatronRole(Worker):
                               cpu_offload=bool(fsdp.get("cpu_offload", False)),
                               reshard_after_forward=bool(fsdp.get("reshard_after_forward", True)),
                               accumulate_unsharded=bool(fsdp.get("accumulate_unsharded", False)))
+        if self.role == "actor":
+            options.lora, options.lora_adapters = lora_options(cfg)
         return FsdpEngine(path, options, value_head=self.role == "critic", optim=optim, ranks=ranks)
 
     def parallel_coords(self) -> tuple[int, int, int]:
@@ -402,6 +409,9 @@ class MegatronRole(Worker):
         e = self.engine
         if e.lora is None:
             raise ValueError("lora_adapters: this actor has no LoRA adapters (actor.lora.rank is 0)")
+        if self.engine_kind == "fsdp":  # PEFT's own adapters (hpcrl.engines.fsdp.lora), gathered by every rank
+            adapters = e.peft_adapters()
+            return adapters if e.dp_rank == 0 else None
         mine = {k: v.cpu() for k, v in e.adapter_shard().items()}
         shards = [mine]
         if e.tp_size > 1:

@@ -157,11 +157,13 @@ def lora_checks(layouts: list[tuple[int, int]], res: dict[str, Any], tmp: Path, 
     res["lora"] = {"layouts": [], "adapted_vs_peft": {}, "base_vs_hf": {}, "spread": float(
         ((lora_ref - base_ref).abs() * mask).max())}
     updated: dict[str, dict[str, torch.Tensor]] = {}
-    for tp, pp in [(1, 1), layouts[-1]]:
+    # the Megatron engine at 1x1 and the largest layout, then the FSDP engine (PEFT's adapters, DP = every worker)
+    for tp, pp, engine in [(1, 1, "megatron"), (*layouts[-1], "megatron"), (1, 1, "fsdp")]:
         t0 = time.time()
-        key = f"{tp}x{pp}"
-        cfg = make_cfg(TINY, tp, pp, ppo_mini_batch_size=8, **{"lora.rank": LORA_RANK, "lora.alpha": LORA_ALPHA,
-                                                               "lora.adapters": str(peft_in), "optim.lr": 1e-3})
+        key = f"{tp}x{pp}" if engine == "megatron" else engine
+        cfg = make_cfg(TINY, tp, pp, ppo_mini_batch_size=8, engine=engine,
+                       **{"lora.rank": LORA_RANK, "lora.alpha": LORA_ALPHA, "lora.adapters": str(peft_in),
+                          "optim.lr": 1e-3})
         actor = WorkerGroup(MegatronRole, init_kwargs={"cfg": cfg, "role": "actor"}, name=f"lora-{key}")
         lp = actor.compute_logprob(batch)
         lp_base = actor.compute_logprob(batch, adapters=False)
@@ -186,9 +188,20 @@ def lora_checks(layouts: list[tuple[int, int]], res: dict[str, Any], tmp: Path, 
             "adapter_tensors": len(adapters1),
             "exported_vs_actor": float(((peft_logprobs(str(out), batch) - lp_after).abs() * mask).max()),
             "moved": float(((lp_after - lp).abs() * mask).max())}
+        if engine == "fsdp":  # its DCP checkpoint exported as a PEFT folder and as merged HF weights
+            from hpcrl.checkpoint.export import export_hf, export_peft
+
+            ckpt = tmp / "fsdp-lora-ckpt"
+            actor.save_checkpoint(str(ckpt))
+            export_peft(ckpt, tmp / "fsdp-lora-peft", model_path=TINY)
+            export_hf(ckpt, tmp / "fsdp-lora-hf", model_path=TINY)
+            res["lora"][key]["ckpt_peft_vs_actor"] = float(
+                ((peft_logprobs(str(tmp / "fsdp-lora-peft"), batch) - lp_after).abs() * mask).max())
+            res["lora"][key]["ckpt_merged_vs_actor"] = float(
+                ((hf_logprobs(str(tmp / "fsdp-lora-hf"), batch) - lp_after).abs() * mask).max())
         actor.close()
         timed(f"lora tiny {key}", t0)
-    a, b = (updated[k] for k in res["lora"]["layouts"])
+    a, b = (updated[k] for k in res["lora"]["layouts"][:2])  # the Megatron layouts (one A for q/k/v there)
     res["lora"]["layouts_max_abs_diff"] = max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
@@ -464,6 +477,9 @@ def reference_step_checks(workers: int, res: dict[str, Any], timed: Any) -> None
     if megatron_update is not None:
         res["fsdp_recompute"] = fsdp_recompute_check(batch, make_cfg)
         timed("fsdp recompute", t0)
+        t0 = time.time()
+        res["reference_fsdp_lora"] = fsdp_lora_reference(batch, plain, rows, megatron_update[0])
+        timed("fsdp lora reference step", t0)
 
     # on-policy (1 mini-batch, 1 epoch): the update without a separate old-log-prob pass (its own
     # forward, detached) equals the update with one; the gap to the rollout is measured inside
@@ -567,6 +583,65 @@ class SavedBytesRole(MegatronRole):
         return {"saved_bytes": sum(kept.values()), "tokens": int(batch["attention_mask"].sum()),
                 "param_bytes": sum(p.numel() * p.element_size() for p in params),
                 "tp_rank": self.engine.tp_rank, "dp_rank": self.engine.dp_rank}
+
+
+def fsdp_lora_reference(batch: Any, plain: dict[str, torch.Tensor], rows: list[list[int]], case: dict[str, Any]
+                        ) -> dict[str, Any]:
+    """LoRA on the FSDP engine (DP = every worker, all-linear, rank 4) on the first fp32 reference case,
+    against reference_ppo's step on the HF model with PEFT's LoRA layers started from the engine's
+    initial adapters: each optimizer step's adapter gradients, the adapters' change, and the merged
+    weights hf_weights returns; the base stays as it was. Control: the reference at twice the scale."""
+    import reference_ppo
+    from peft import LoraConfig, inject_adapter_in_model
+    from transformers import AutoModelForCausalLM
+
+    from hpcrl.controller import WorkerGroup
+    from hpcrl.workers.batching import arrange_minibatches
+    from hpcrl.workers.megatron_roles import MegatronRole
+
+    cfg = reference_case_cfg(case, len(batch), 1, 1, REF_T, engine="fsdp",
+                             **{"lora.rank": LORA_RANK, "lora.alpha": LORA_ALPHA})
+    actor = WorkerGroup(MegatronRole, init_kwargs={"cfg": cfg, "role": "actor"}, name="fsdp-lora")
+    actor.record_gradients(True)
+    peft0 = merged(actor.lora_adapters())
+    arranged = arrange_minibatches(copy.copy(batch), REF_MINI, actor.layout.dp_size, case["agg"], shuffle_seed=REF_SEED)
+    metrics = actor.update_actor(arranged, num_minibatches=REF_MINI, epochs=REF_EPOCHS)
+    steps = [merged(list(s)) for s in zip(*[r for r in actor.recorded_gradients() if r is not None])]
+    peft1, got_w, base = merged(actor.lora_adapters()), merged(actor.hf_weights()), merged(actor.hf_weights(False))
+    dp = actor.layout.dp_size
+    actor.close()
+
+    def param_name(peft: str) -> str:  # PEFT file name -> the injected module's parameter name
+        return peft.removeprefix("base_model.model.").replace(".weight", ".default.weight")
+
+    a0 = {param_name(k): v for k, v in peft0.items()}
+    a1 = {param_name(k): v for k, v in peft1.items()}
+    modules = sorted({k.split(".lora_")[0] for k in a0})
+    w0 = load_safetensors_dir(TINY)
+
+    def reference(alpha: float) -> tuple[dict, dict[str, torch.Tensor]]:
+        hf = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+        inject_adapter_in_model(LoraConfig(r=LORA_RANK, lora_alpha=alpha, target_modules=modules), hf)
+        with torch.no_grad():
+            for n, p in hf.named_parameters():
+                if n in a0:
+                    p.copy_(a0[n])
+        ref = reference_ppo.actor_update(hf, plain, rows, **reference_settings(cfg, case, REF_T, masters_fp32=False))
+        scale = alpha / LORA_RANK
+        ad = ref["model_weights"]
+        merged_w = {f"{m}.weight": w0[f"{m}.weight"] + scale * ad[f"{m}.lora_B.default.weight"]
+                    @ ad[f"{m}.lora_A.default.weight"] for m in modules}
+        return ref, merged_w
+
+    def errors(alpha: float) -> dict[str, Any]:
+        ref, ref_merged = reference(alpha)
+        adapted = sorted(ref_merged)
+        return {**reference_errors(ref, steps, a1, a0),
+                "merged_rel": rel_diff(delta({k: got_w[k] for k in adapted}, w0), delta(ref_merged, w0))}
+
+    return {"dp": dp, "optimizer_steps": metrics["optimizer_steps"], "adapters": len(a0), "modules": len(modules),
+            "base_unchanged": sorted(base) == sorted(w0) and all(torch.equal(base[k], w0[k]) for k in w0),
+            **errors(LORA_ALPHA), "control_twice_the_scale": errors(2 * LORA_ALPHA)}
 
 
 def fsdp_recompute_check(batch: Any, make_cfg: Any) -> dict[str, Any]:

@@ -191,8 +191,9 @@ def actor_update(model: torch.nn.Module, batch: dict[str, torch.Tensor], minibat
     Returns grads (per step, before clipping, HF names as in model.named_parameters(): a tied lm_head appears only
     as model.embed_tokens.weight), grad_norms, losses, counts (per step, aggregated like the loss: "clip", the
     share of tokens where the ratio clip is active, clamp(r) A < r A; "dual_clip", where the dual clip is, A < 0 and
-    r > c), weights (fp32; the masters for masters_fp32) and model_weights (the model's own dtype)."""
-    params = dict(model.named_parameters())
+    r > c), weights (fp32; the masters for masters_fp32) and model_weights (the model's own dtype). Only the
+    parameters that require a gradient train (all of them, or a PEFT model's LoRA adapters)."""
+    params = {k: p for k, p in model.named_parameters() if p.requires_grad}
     use_kl = kl_coef != 0.0 and kl_type is not None
 
     def seq_loss(i: int, n: int) -> torch.Tensor:

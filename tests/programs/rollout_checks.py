@@ -127,8 +127,9 @@ def planned_terms(cfg: dict[str, Any], bucket_mb: float) -> dict[str, int]:
     plan_cfg.rollout.weight_bucket_mb = bucket_mb  # after validating: the config takes >= 1 MB, the tests less
     est = estimate(plan_cfg, RoleShapes(policy=read_model_shape(cfg["model"]["path"])))
     phases = {ph.name: ph.terms for ph in est.phases}
-    return {"kv_cache": phases["rollout"]["vLLM KV cache"],
-            "reshard": phases["reshard"]["reshard bucket + converted copy"]}
+    # (the FSDP engine's row: full tensors gathered, no conversion copy)
+    bucket = next(v for k, v in phases["reshard"].items() if k.startswith("reshard bucket"))
+    return {"kv_cache": phases["rollout"]["vLLM KV cache"], "reshard": bucket}
 
 
 def prompt_ids(model: str, n: int) -> list[list[int]]:
@@ -561,6 +562,14 @@ def main() -> None:
     res["tiny_lora_tp1"] = s["result"]
     s["group"].close_rollout()
     timed("tiny lora 1x1 -> rollout tp1", t0)
+
+    # 4b. the same LoRA run on the FSDP engine (PEFT's adapters, DP=4) -> rollout TP=2: every rank gathers
+    # each full base weight and its adapters and pushes W + alpha/r B A; vLLM cuts its TP half
+    t0 = time.time()
+    s = sync_scenario(TINY, 1, 1, 2, 1e-2, 8, 0.25, "actor.engine=fsdp", "actor.lora.rank=8", "actor.lora.alpha=16")
+    res["tiny_fsdp_lora_tp2"] = s["result"]
+    s["group"].close_rollout()
+    timed("tiny fsdp lora -> rollout tp2", t0)
 
     # 5. the tiny Qwen3-MoE: Megatron TP=2 with SP (DP=2) -> rollout TP=1, then TP=1 (DP=4) -> rollout
     # TP=2 with routing replay: vLLM's experts for every token, replayed by the actor's routers

@@ -16,7 +16,17 @@ from typing import Any
 import torch
 
 from hpcrl.engines.fsdp.forward import ForwardMixin
+from hpcrl.engines.fsdp.lora import (
+    FsdpLora,
+    adapter_pairs,
+    apply_peft_lora,
+    hf_base_name,
+    is_adapter,
+    merged,
+    peft_name,
+)
 from hpcrl.engines.fsdp.shards import gather_full, local_shard
+from hpcrl.engines.megatron.lora import LoraSettings
 from hpcrl.engines.megatron.optimizer import OptimSettings
 
 
@@ -40,6 +50,9 @@ class FsdpOptions:
     # keep the gathered parameters and unsharded gradients across one step's micro-batches (one
     # all-gather and one reduce-scatter per optimizer step)
     accumulate_unsharded: bool = False
+    # LoRA adapters through PEFT (hpcrl.engines.fsdp.lora), the actor's; a PEFT folder to start from
+    lora: LoraSettings | None = None
+    lora_adapters: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -155,7 +168,7 @@ class FsdpEngine(ForwardMixin):
         self.replica_rank, self.replicas = self.dp_rank, self.dp_size
         self.is_output_rank = True
         self.is_checkpoint_writer = True  # every rank writes its own shard (torch.distributed.checkpoint)
-        self.lora = None
+        self.lora: FsdpLora | None = None
         self.spec = "hf-fsdp2"
         self.routes = None
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
@@ -164,6 +177,8 @@ class FsdpEngine(ForwardMixin):
             hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
         except (OSError, ValueError, KeyError) as e:
             raise ValueError(f"model.path={model_path}: transformers cannot build it as a causal LM ({e})") from e
+        if self.options.lora is not None and not value_head:  # before fully_shard: PEFT adds modules
+            self.lora = apply_peft_lora(hf, self.options.lora, self.arch.is_moe, self.options.lora_adapters)
         head = None
         if value_head:
             hf.lm_head = None  # the critic's output is its own head, never the embedding
@@ -197,6 +212,9 @@ class FsdpEngine(ForwardMixin):
         self.units = units
         self.model = model
         self.trainable = [p for p in model.parameters() if p.requires_grad]
+        # LoRA: the adapters by name, and each adapted weight's (lora_A, lora_B) names
+        self.adapter_params = {n: p for n, p in self.named_trainable() if is_adapter(n)}
+        self.adapter_pairs = adapter_pairs(list(self.adapter_params))
         self.optim = optim
         self.optimizer: torch.optim.Optimizer | None = None
         self.step_count = 0
@@ -210,22 +228,37 @@ class FsdpEngine(ForwardMixin):
     # weights: HF names, full tensors ------------------------------------------------------------
     @staticmethod
     def hf_name(name: str) -> str:
-        """The HF (or value_head.*) name of a parameter of CausalLMWithHeads."""
-        return name.removeprefix("hf.")
+        """The HF (or value_head.*) name of a parameter of CausalLMWithHeads; a LoRA adapter keeps its
+        PEFT module name (`<module>.lora_A.default.weight`)."""
+        return hf_base_name(name.removeprefix("hf."))
 
     def named_trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(self.hf_name(n), p) for n, p in self.model.named_parameters() if p.requires_grad]
 
     def megatron_shard(self) -> dict[str, torch.Tensor]:
-        """This rank's shards by HF name (DTensors); `export_hf_stage` gathers them (the Megatron
-        engine's name for a rank's part of the weights)."""
-        return {self.hf_name(n): p for n, p in self.model.named_parameters()}
+        """This rank's shards of the model's weights by HF name (DTensors; with LoRA the base weights,
+        which `full_weight` merges); `export_hf_stage` gathers them (the Megatron engine's name for a
+        rank's part of the weights)."""
+        return {self.hf_name(n): p for n, p in self.model.named_parameters() if not is_adapter(n)}
+
+    def full_weight(self, name: str, shard: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The full tensor of one of `megatron_shard`'s entries in `dtype` (a collective); an adapted
+        weight with its adapters merged, W + (alpha / r) B A, unless they are off."""
+        if self.lora is None or not self.lora.active or name not in self.adapter_pairs:
+            return gather_full(shard, dtype)
+        a, b = (self.adapter_params[n] for n in self.adapter_pairs[name])
+        return merged(gather_full(shard, torch.float32), gather_full(a, torch.float32), gather_full(b, torch.float32),
+                      self.lora.scale).to(dtype)
 
     def export_hf_stage(self, tensors: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
         """Full HF-named tensors (a collective: every rank gathers each one), in the model's dtype;
-        tied output weights are not repeated (the HF folder ties them)."""
+        tied output weights are not repeated (the HF folder ties them). With LoRA, the weights merged."""
         src = self.megatron_shard() if tensors is None else tensors
-        return {k: gather_full(v, self.options.dtype).cpu() for k, v in src.items()}
+        return {k: self.full_weight(k, v, self.options.dtype).cpu() for k, v in src.items()}
+
+    def peft_adapters(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapters, full, PEFT-named (the file `PeftModel.from_pretrained` reads; a collective)."""
+        return {peft_name(n): gather_full(p, torch.float32).cpu() for n, p in self.adapter_params.items()}
 
     def stream_rollout_weights(self, bucket_bytes: int, stats: Any) -> Any:
         """HF-named full tensors for the rollout engine, bucket by bucket (hpcrl.engines.fsdp.weights;

@@ -3,7 +3,8 @@
 vLLM's reload path takes full HF tensors and cuts its own tensor-parallel part, so every rank's engine
 needs every full tensor: each FSDP rank holds 1/DP of each one and all-gathers the rest, bucket by
 bucket (at most `bucket_bytes` of full tensors alive at a time, plus the one being gathered), in the
-rollout's dtype. What a rank receives is exactly what it lacks: (DP - 1)/DP of the model.
+rollout's dtype. What a rank receives is exactly what it lacks: (DP - 1)/DP of the model. With LoRA each
+adapted weight goes out merged with its adapters (W + (alpha / r) B A: vLLM gets plain weights).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import torch
 
-from hpcrl.engines.fsdp.shards import gather_full, local_shard
+from hpcrl.engines.fsdp.shards import local_shard
 from hpcrl.engines.reshard import bucket_tensors
 
 
@@ -40,7 +41,7 @@ def stream_fsdp_weights(engine: Any, bucket_bytes: int, stats: Any) -> Iterator[
     for bucket in buckets:
         hf = {}
         for k, p in bucket:
-            full = gather_full(p, dtype)
+            full = engine.full_weight(k, p, dtype)  # with LoRA: merged with its adapters
             stats.bytes_received += (full.numel() - local_shard(p).numel()) * full.element_size()
             hf[k] = full.cpu()
         live = sum(t.numel() * t.element_size() for t in hf.values())
