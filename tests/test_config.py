@@ -557,10 +557,31 @@ FSDP = ["actor.engine=fsdp", "actor.parallel.tensor_parallel=1"]
     (["actor.fsdp.cpu_offload=true"], "actor.fsdp.cpu_offload=True", "no role runs on it"),
     (["actor.fsdp.accumulate_unsharded=true"], "actor.fsdp.accumulate_unsharded=True", "no role runs on it"),
     (["actor.engine=fsdpp"], "actor.engine='fsdpp'", "not one of megatron, fsdp"),
+    (["actor.fsdp.attn_implementation=eager"], "actor.fsdp.attn_implementation=eager", "no role runs on it"),
+    ([*FSDP, "actor.fsdp.attn_implementation=sdpaa"], "actor.fsdp.attn_implementation=sdpaa",
+     "not an attention implementation of transformers"),
+    ([*FSDP, "trainer.device=cpu", "actor.fsdp.attn_implementation=flash_attention_2"],
+     "actor.fsdp.attn_implementation=flash_attention_2", "needs a CUDA device"),
 ])
 def test_fsdp_engine_options_refused_by_key(overrides: list[str], key: str, words: str) -> None:
     problems = problems_of(*overrides)
     assert any(p.startswith(key) and words in p for p in problems), problems
+
+
+def test_fsdp_engine_names_the_attention_it_cannot_load(tmp_path) -> None:
+    """What the config checks cannot judge (a package the implementation needs, a model without it) the
+    engine refuses naming actor.fsdp.attn_implementation; a folder transformers cannot build names
+    model.path; a valid choice loads."""
+    from hpcrl.engines.fsdp.engine import _load_hf
+
+    tiny = str(REPO / "models" / "tiny-qwen2")
+    with pytest.raises(ValueError, match=r"^actor.fsdp.attn_implementation=flash_attention_2: transformers "
+                                         r"cannot load .*Set it to null"):
+        _load_hf(tiny, "flash_attention_2", cuda=False)  # no flash_attn package here
+    with pytest.raises(ValueError, match=r"^model.path=.*: transformers cannot build it as a causal LM"):
+        _load_hf(str(tmp_path), "eager", cuda=False)
+    assert _load_hf(tiny, "eager", cuda=False).config._attn_implementation == "eager"
+    assert _load_hf(tiny, None, cuda=False).config._attn_implementation == "sdpa"
 
 
 def test_fsdp_engine_takes_lora() -> None:

@@ -83,9 +83,21 @@ def test_fsdp_packed_rows_and_shared_prompts_give_hf_logprobs(checks: dict) -> N
     (measured 4.8e-7 on a packed row by hand; with the mask and positions dropped, the same packed row
     was 0.83 off)."""
     c = checks["fsdp_packing"]
-    assert c["engine"] == "fsdp" and c["dp"] >= 2, c
+    assert c["engine"] == "fsdp" and c["dp"] >= 2 and c["attention"] == "sdpa", c
     assert max(c["packed_vs_hf"], c["padded_vs_hf"], c["shared_vs_hf"], c["whole_vs_hf"]) < 1e-5, c
     assert c["shared_elsewhere"] == 0.0, c
+
+
+def test_fsdp_attention_implementations_give_hf_logprobs(checks: dict) -> None:
+    """actor.fsdp.attn_implementation=eager takes the block-diagonal mask as an additive float mask;
+    flex_attention gets the packed rows through position_ids alone, as flash attention does on GPU
+    (transformers cuts each row where its positions restart): both equal HF's per-sequence log-probs,
+    packed rows and response-only (shared prompts under eager, whole sequences under flex)."""
+    c = checks["fsdp_packing"]
+    assert (c["eager"]["attention"], c["eager"]["masked"]) == ("eager", True), c
+    assert (c["flex_attention"]["attention"], c["flex_attention"]["masked"]) == ("flex_attention", False), c
+    for impl in ("eager", "flex_attention"):
+        assert max(c[impl]["packed_vs_hf"], c[impl]["response_vs_hf"]) < 1e-5, (impl, c[impl])
 
 
 @pytest.mark.parametrize("which", ["round_trip_tiny", "round_trip_smollm2"])

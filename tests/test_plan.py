@@ -812,7 +812,7 @@ def test_fsdp_actor_state_is_the_megatron_plans_over_dp() -> None:
 def test_fsdp_lora_trains_the_adapters_alone() -> None:
     """LoRA on the FSDP engine (rank 8, all-linear, DP=2): gradients and moments of the adapters' half
     only, the weights the base's half plus the adapters', no unsharded base gradients, no reference."""
-    from hpcrl.plan.memory import lora_shard_params
+    from hpcrl.plan.megatron import lora_shard_params
 
     shape = _smollm2_shape()
     full = _smollm2_phases("actor.engine=fsdp")["update actor"]
@@ -858,18 +858,32 @@ def test_fsdp_reshard_after_forward_false_keeps_a_full_copy() -> None:
     assert not any("kept after" in label for terms in with_ref.values() for label in terms)
 
 
-def test_fsdp_counts_the_packed_rows_attention_mask_on_cpu_only() -> None:
-    """On CPU the engine hands sdpa the block-diagonal mask of a packed row ([1, 1, T, T] bool: T squared
-    bytes, T = actor.micro_batch_tokens 512 here), or of micro_batch_size padded rows; flash attention on
-    GPU takes none."""
-    label = "attention mask of the packed rows (block-diagonal, T x T bool)"
+def test_fsdp_counts_the_attention_mask_where_the_attention_takes_one() -> None:
+    """sdpa (the default on CPU) gets the block-diagonal mask of a packed row ([1, 1, T, T] bool: T squared
+    bytes, T = actor.micro_batch_tokens 512 here), or of micro_batch_size padded rows; eager the same in
+    the compute dtype; flash attention takes none (position_ids), nor does the GPU default where
+    flash_attn is installed, while a GPU run that loads sdpa holds the mask on the device."""
+    import importlib.util
+
+    label = "attention mask of the packed rows (block-diagonal, T x T)"
     packed = _smollm2_phases("actor.engine=fsdp")
     assert packed["update actor"][label] == 512 ** 2
+    flex = _smollm2_phases("actor.engine=fsdp", "actor.fsdp.attn_implementation=flex_attention")
+    assert label not in flex["update actor"]
+    assert sum(packed["update actor"].values()) - sum(flex["update actor"].values()) == 512 ** 2
     padded = _smollm2_phases("actor.engine=fsdp", "actor.packing=false", "actor.micro_batch_size=3")
     seq = 256 + 64  # the recipe's max_prompt_length + max_new_tokens
     assert padded["update actor"][label] == 3 * seq ** 2
-    gpu = _smollm2_phases("trainer.device=cuda", "actor.engine=fsdp", gpu_mem_bytes=80 * GIB)
-    assert not any(label in terms for terms in gpu.values())
+    eager = _smollm2_phases("actor.engine=fsdp", "actor.fsdp.attn_implementation=eager")
+    assert eager["update actor"][label] == 4 * 512 ** 2  # fp32 additive mask
+    gpu = ("trainer.device=cuda", "model.dtype=bf16", "actor.engine=fsdp")
+    flash = _smollm2_phases(*gpu, "actor.fsdp.attn_implementation=flash_attention_2", gpu_mem_bytes=80 * GIB)
+    assert not any(label in terms for terms in flash.values())
+    sdpa = _smollm2_phases(*gpu, "actor.fsdp.attn_implementation=sdpa", gpu_mem_bytes=80 * GIB)
+    assert sdpa["update actor"][label] == 512 ** 2
+    default = _smollm2_phases(*gpu, gpu_mem_bytes=80 * GIB)
+    has_flash = importlib.util.find_spec("flash_attn") is not None
+    assert any(label in terms for terms in default.values()) == (not has_flash)
 
 
 def test_fsdp_cpu_offload_moves_the_shards_to_pinned_host_memory() -> None:

@@ -9,6 +9,7 @@ generated tokens per second of training-step wall time, model loading, start-up 
 excluded) with the hpcrl / TRL ratio. The goals it checks: hpcrl's tokens/s >= 1.5x TRL's (median of
 the rounds), and, as a mean over the rounds, hpcrl's training reward over the second half of the steps
 (6-10 of 10) and its validation reward after training not below TRL's (and the accuracy gain, per round).
+`--engine fsdp` trains hpcrl's side on the FSDP engine (actor.engine=fsdp) instead of Megatron-core.
 `--seeds 1 2 3` runs one round per seed; `--report DIR/round1 ...` prints that summary again from runs
 kept with `--keep`, running nothing.
 
@@ -57,6 +58,11 @@ CONFIG = "configs/grpo_smollm2.yaml"
 nan = float("nan")
 STEP_LINE = re.compile(r"(step \d+/\d+|validation after|worker groups ready|Traceback|Error)")
 
+OPTIMIZER = {
+    "megatron": "Megatron-core's Adam (fp32 main params) vs torch AdamW; same betas, eps, lr, no decay",
+    "fsdp": "torch AdamW on both sides (hpcrl: --engine fsdp, over its FSDP2 fp32 shards, the gradients "
+            "reduce-scattered over 2 ranks); same betas, eps, lr, no decay",
+}
 OLD_LOGPROB = {
     "rollout": "hpcrl takes vLLM's (--old-logprob rollout, the demo config's actor.old_logprob; equal to the "
                "actor's within ~1e-5 in fp32), TRL computes them with a forward of its model",
@@ -75,7 +81,7 @@ DIFFERENCES = [
     "mini-batches: {minibatch}",
     "old log-probs: {old_logprob}",
     "advantage epsilon: (r - mean) / (std + 1e-6) in hpcrl, (std + 1e-4) in TRL (unbiased std in both)",
-    "optimizer: Megatron-core's Adam (fp32 main params) vs torch AdamW; same betas, eps, lr, no decay",
+    "optimizer: {optimizer}",
     "transformers: {hpcrl_tf} in .venv (hpcrl, vLLM's pin) vs {trl_tf} in .venv-trl (what TRL installs)",
     "validation generation: vLLM greedy (hpcrl) vs HF generate greedy with left padding (TRL); the "
     "'before' accuracies of the same initial model can differ by float rounding on near ties",
@@ -287,7 +293,7 @@ def _overrides(args: argparse.Namespace, run_dir: str) -> list[str]:
             "logging.tensorboard=false",
             f"rollout.cpu_kv_cache_gib={'null' if args.kv_cache_gib is None else args.kv_cache_gib}",
             f"actor.micro_batch_tokens={args.micro_batch_tokens}", f"actor.minibatch_by={args.minibatch_by}",
-            f"actor.old_logprob={args.old_logprob}"]
+            f"actor.old_logprob={args.old_logprob}", f"actor.engine={args.engine}"]
 
 
 def _prepare(args: argparse.Namespace, overrides: list[str]) -> dict:
@@ -386,6 +392,8 @@ def _run_hpcrl(args: argparse.Namespace, tmp: str, overrides: list[str], env: di
 
 def _read_hpcrl(run_dir: str, n_steps: int) -> dict:
     """hpcrl's per-step records and validations from a finished run directory."""
+    import yaml  # .venv's (omegaconf's dependency); the driver runs there, the TRL child does not
+
     steps = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl")) if x.strip()]
     val: dict[int, dict] = {}
     for x in open(os.path.join(run_dir, "validation.jsonl")):
@@ -406,7 +414,8 @@ def _read_hpcrl(run_dir: str, n_steps: int) -> dict:
     old = re.search(r"^\s*old_logprob:\s*(\w+)", saved, re.M)
     return {"steps": out, "val_before": val[0], "val_after": val[n_steps],
             "minibatch_by": cut.group(1) if cut else "prompt",  # runs from before the option cut by prompt
-            "old_logprob": old.group(1) if old else "rollout"}
+            "old_logprob": old.group(1) if old else "rollout",
+            "engine": (yaml.safe_load(saved).get("actor") or {}).get("engine") or "megatron"}
 
 
 def _run_trl(args: argparse.Namespace, tmp: str, prepared: dict, env: dict, capture: str | None = None) -> dict:
@@ -447,7 +456,8 @@ def _report(args: argparse.Namespace, h: dict, r: dict, load: tuple[float, float
     print(f"\n=== GRPO learning benchmark: SmolLM2-135M-Instruct, arithmetic, {args.steps} steps x "
           f"{args.prompts} prompts x {args.n} samples, {args.prompts * args.n // args.mini_batch} optimizer steps "
           f"of {args.mini_batch} per step, max_new_tokens {args.max_new_tokens}, lr {args.lr:g}")
-    print(f"hpcrl: {args.workers} CPU workers (Megatron-core + vLLM), fp32 | TRL {v['trl']} GRPOTrainer, "
+    trainer = "FSDP2 over the HF model" if h.get("engine") == "fsdp" else "Megatron-core"
+    print(f"hpcrl: {args.workers} CPU workers ({trainer} + vLLM), fp32 | TRL {v['trl']} GRPOTrainer, "
           f"transformers {v['transformers']}, torch {v['torch']}, {r['threads']} threads, fp32")
     print(f"machine: {os.cpu_count()} cores, shared; 1-min load average while hpcrl ran: mean {h['load']['mean']:.1f} "
           f"(max {h['load']['max']:.1f}), while TRL ran: mean {r['load']['mean']:.1f} (max {r['load']['max']:.1f}); "
@@ -522,7 +532,8 @@ def _report(args: argparse.Namespace, h: dict, r: dict, load: tuple[float, float
     for line in DIFFERENCES:
         print(f"  - {line}".format(hpcrl_tf=transformers.__version__, trl_tf=v["transformers"],
                                    minibatch=MINIBATCH[h["minibatch_by"]],
-                                   old_logprob=OLD_LOGPROB[h.get("old_logprob", "rollout")]))
+                                   old_logprob=OLD_LOGPROB[h.get("old_logprob", "rollout")],
+                                   optimizer=OPTIMIZER[h.get("engine", "megatron")]))
 
 
 def _tail(side: dict) -> list[dict]:
@@ -634,6 +645,8 @@ def main() -> None:
                    help="hpcrl's actor.old_logprob: rollout (vLLM's log-probs, the demo's) or recompute (a forward "
                         "of the actor, as TRL does); both (`--old-logprob rollout recompute`) run one hpcrl side "
                         "per mode in every round, their order alternating, and report a ratio per mode")
+    p.add_argument("--engine", choices=("megatron", "fsdp"), default="megatron",
+                   help="hpcrl's training engine (actor.engine): Megatron-core or FSDP2 over the HF model")
     p.add_argument("--trl-threads", type=int, default=0, help="TRL torch threads (default: = --workers)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--seeds", type=int, nargs="+", metavar="SEED",
@@ -708,8 +721,9 @@ def main() -> None:
                 th = _throughput(h["steps"], True)
                 rounds[mode].append({"seed": seed, "hpcrl": h, "trl": r, "ratio": th / tt})
                 lh = _learning(h)
-                print(f"[bench] round {k + 1}/{len(seeds)} (seed {seed}, hpcrl old_logprob={mode}): tokens/s "
-                      f"(without step 1) hpcrl {th:.1f}, TRL {tt:.1f}, ratio {th / tt:.2f}x; training reward "
+                print(f"[bench] round {k + 1}/{len(seeds)} (seed {seed}, hpcrl engine={args.engine} "
+                      f"old_logprob={mode}): tokens/s (without step 1) hpcrl {th:.1f}, TRL {tt:.1f}, "
+                      f"ratio {th / tt:.2f}x; training reward "
                       f"{_tail_label(h)} hpcrl {lh['train_reward']:.3f} / TRL {lr['train_reward']:.3f}; validation "
                       f"reward after hpcrl {lh['val_reward_after']:.3f} / TRL {lr['val_reward_after']:.3f}; load "
                       f"hpcrl {h['load']['mean']:.2f} / TRL {r['load']['mean']:.2f}; steal hpcrl "

@@ -9,6 +9,9 @@ from omegaconf import DictConfig
 
 from hpcrl.config.derived import engine_roles, is_split, role_parallel
 
+# transformers' attention implementations (AttentionInterface's names and eager); a hub kernel is "org/repo"
+ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention")
+
 
 def engine_problems(cfg: DictConfig) -> list[str]:
     """Each engine's options only with that engine; what the FSDP engine does not do, refused by key."""
@@ -17,12 +20,20 @@ def engine_problems(cfg: DictConfig) -> list[str]:
     if any(e not in ("megatron", "fsdp") for e in engines.values()):
         return problems  # reported by the choices
     if "fsdp" not in engines.values():
-        defaults = {"cpu_offload": False, "reshard_after_forward": True, "accumulate_unsharded": False}
+        defaults = {"cpu_offload": False, "reshard_after_forward": True, "accumulate_unsharded": False,
+                    "attn_implementation": None}
         for key, default in defaults.items():
             if cfg.actor.fsdp[key] != default:
                 problems.append(f"actor.fsdp.{key}={cfg.actor.fsdp[key]}: an option of the FSDP engine, and no role "
                                 "runs on it. Set actor.engine=fsdp, or drop the key.")
         return problems
+    attention = cfg.actor.fsdp.attn_implementation
+    if attention is not None and attention not in ATTENTION and "/" not in str(attention):
+        problems.append(f"actor.fsdp.attn_implementation={attention}: not an attention implementation of "
+                        f"transformers. Choose one of {', '.join(ATTENTION)}, a hub kernel (org/repo), or null.")
+    elif str(attention).startswith("flash") and cfg.trainer.device == "cpu":
+        problems.append(f"actor.fsdp.attn_implementation={attention}: flash attention needs a CUDA device "
+                        "(trainer.device=cpu). Set it to null (sdpa) or sdpa.")
     for role, engine in engines.items():
         if engine != "fsdp":
             continue

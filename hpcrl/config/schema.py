@@ -116,6 +116,12 @@ class FsdpConfig:
     # unsharded gradients (one all-gather and one reduce-scatter per step instead of per micro-batch):
     # DDP's communication for a full copy of the model and of its gradients per worker.
     accumulate_unsharded: bool = False
+    # transformers' attention implementation, passed to from_pretrained (eager, sdpa, flash_attention_2,
+    # flash_attention_3, flex_attention, or a hub kernel "org/repo"). null: flash_attention_2 on CUDA
+    # when the flash_attn package is installed (varlen attention over packed rows), else transformers'
+    # default (sdpa). sdpa and eager attend under a block-diagonal mask that lets a prompt's samples
+    # share it (actor.share_prompt); the others lay each sequence out whole.
+    attn_implementation: str | None = None
 
 
 @dataclass

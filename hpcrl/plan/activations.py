@@ -70,7 +70,7 @@ def plan_device(cfg: DictConfig, gpu_asked: bool = False) -> str:
 
 
 def plan_dtype(cfg: DictConfig, device: str) -> str:
-    """model.dtype, with auto resolved as hpcrl.workers.megatron_roles.resolve_dtype does."""
+    """model.dtype, with auto resolved as hpcrl.workers.role_engines.resolve_dtype does."""
     if cfg.model.dtype == "auto":
         return "bf16" if device == "gpu" else "fp32"
     return cfg.model.dtype

@@ -51,6 +51,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from hpcrl.config.derived import engine_roles, role_engine, role_layouts
+from hpcrl.engines.fsdp.attention import attention_implementation, takes_block_mask
 from hpcrl.plan.activations import (
     GIB,
     kept_activation_bytes,
@@ -65,7 +66,7 @@ from hpcrl.plan.shape import ModelShape
 ENGINE = "fsdp"
 ACTIVATIONS_LABEL = "activations kept for backward (HF layers, approximated)"
 LOGITS_LABEL = "logits at response positions (whole vocabulary)"
-MASK_LABEL = "attention mask of the packed rows (block-diagonal, T x T bool)"
+MASK_LABEL = "attention mask of the packed rows (block-diagonal, T x T)"
 FORWARD_GATHERED_LABEL = "gathered units of one forward (FSDP all-gather, {dtype})"
 # what the optimizer step phase is on the FSDP engine (report.py's column legend)
 PHASE_MEANING = {"optimizer step": "gradient norm and clip, then Adam over the shards (gradients were reduce-scattered "
@@ -86,13 +87,23 @@ def micro_batch_tokens(cfg: DictConfig, role: str, seq_len: int) -> int:
     return micro_batch_token_count(section, seq_len)
 
 
-def mask_bytes(cfg: DictConfig, role: str, seq_len: int) -> int:
-    """The block-diagonal attention mask of one micro-batch on CPU (sdpa: [rows, 1, T, T] bool, the
-    rows' length T squared; hpcrl.engines.fsdp.forward). Flash attention on GPU takes none."""
+def attention(cfg: DictConfig, gpu: bool) -> str | None:
+    """The attn_implementation the engine loads the model with (hpcrl.engines.fsdp.attention; on GPU
+    with the default, flash_attention_2 where flash_attn is installed in this environment)."""
+    return attention_implementation(cfg.actor.fsdp.attn_implementation, gpu)
+
+
+def mask_bytes(cfg: DictConfig, role: str, seq_len: int, gpu: bool = False, compute_bytes: int = 4) -> int:
+    """The block-diagonal attention mask of one micro-batch on the device ([rows, 1, T, T], the rows'
+    length T squared; hpcrl.engines.fsdp.forward): bool under sdpa, the compute dtype under eager; none
+    under flash attention and the other implementations that read position_ids."""
+    impl = attention(cfg, gpu)
+    if not takes_block_mask(impl):
+        return 0
     section = cfg[role] if role in ("actor", "critic") else cfg.actor
-    if section.packing:
-        return micro_batch_tokens(cfg, role, seq_len) ** 2
-    return int(section.micro_batch_size) * seq_len ** 2
+    elements = micro_batch_tokens(cfg, role, seq_len) ** 2 if section.packing else \
+        int(section.micro_batch_size) * seq_len ** 2
+    return elements * (compute_bytes if impl == "eager" else 1)
 
 
 def hf_tensors(shape: ModelShape, head: str = "lm") -> dict[str, list[tuple[int, int]]]:
@@ -132,7 +143,7 @@ def _shard(tensors: list[tuple[int, int]], dp: int) -> int:
 
 @dataclass
 class FsdpRole:
-    """One role's bytes on one rank of the FSDP engine (the interface memory.py's Megatron `_Role`
+    """One role's bytes on one rank of the FSDP engine (the interface megatron.py's `MegatronRoleShard`
     offers the phases: name, trains, params, resident, at_build; and `add_to`)."""
 
     name: str
@@ -207,7 +218,7 @@ class FsdpRole:
         return f"{what}, {self.compute_dtype}"
 
     def add_to(self, phase: Any, with_step_grads: bool = False) -> None:
-        """The resident rows (memory.py's `_add_role`)."""
+        """The resident rows (megatron.py's `add_role`)."""
         if not self.on_host:
             shard = f"fp32 FSDP shard, 1/{self.dp}"
             phase.add(f"{self.name} weights ({shard})", self.weights)
@@ -255,8 +266,7 @@ class FsdpRole:
         acts = layer_activations(self.shape, run.layouts[self.name], tokens, b, fused_swiglu=False, dense=False)
         phase.add(ACTIVATIONS_LABEL, kept_activation_bytes(acts, layers, 1, run.recompute(self.name)))
         phase.add("working set of one layer", tokens * working_elements_per_token(self.shape, 1) * b)
-        if not self.gpu:
-            phase.add(MASK_LABEL, mask_bytes(run.cfg, self.name, run.seq_len))
+        phase.add(MASK_LABEL, mask_bytes(run.cfg, self.name, run.seq_len, self.gpu, b))
         if self.head == "lm":
             entropy = float(run.cfg.actor.entropy_coeff) != 0.0
             phase.add(LOGITS_LABEL, logits_bytes(tokens, self.shape.vocab_size, b, entropy))
@@ -267,8 +277,7 @@ class FsdpRole:
         b = self.compute_bytes
         tokens = micro_batch_tokens(run.cfg, self.name, run.seq_len)
         working = int(tokens * working_elements_per_token(self.shape, 1) * b)
-        if not self.gpu:
-            working += mask_bytes(run.cfg, self.name, run.seq_len)
+        working += mask_bytes(run.cfg, self.name, run.seq_len, self.gpu, b)
         if self.head == "lm":
             working += logits_bytes(tokens, self.shape.vocab_size, b, entropy=False)
         # every unit gathered by the end of the forward under reshard_after_forward=false (the engine
@@ -318,7 +327,7 @@ class FsdpRole:
 def fsdp_role(run: Any, name: str, shape: ModelShape, trains: bool, head: str = "lm", adapters: int = 0
               ) -> FsdpRole:
     """`name`'s FsdpRole in this plan (the options are actor.fsdp's for every role, as the engine's);
-    adapters: the LoRA adapters' parameters of an actor (memory.py `lora_shard_params` at TP = PP = 1)."""
+    adapters: the LoRA adapters' parameters of an actor (megatron.py `lora_shard_params` at TP = PP = 1)."""
     cfg = run.cfg
     options = cfg.actor.fsdp
     return FsdpRole(name, shape, run.layouts[name].dp, run.dtype, trains, head=head, gpu=run.gpu,
@@ -386,9 +395,12 @@ def activation_line(est: Any, cfg: DictConfig) -> str:
     if cfg.actor.fsdp.accumulate_unsharded:
         reshard += ("; every layer gathered and every gradient unsharded over a step's micro-batches, one "
                     "reduce-scatter per step (accumulate_unsharded)")
+    impl = attention(cfg, est.device == "gpu")
+    attends = (f"attention {impl or 'sdpa'} under a block-diagonal mask (prompts shared)" if takes_block_mask(impl)
+               else f"attention {impl} over packed rows by position_ids (no mask; each sequence whole)")
     return (f"micro-batches of up to {est.micro_batch_tokens} tokens (actor: laid out as for Megatron, "
-            f"packed or padded rows), one at a time (FSDP, no pipeline); "
-            f"{RECOMPUTE_MEANING.get(est.recompute, est.recompute)}{reshard}")
+            f"packed or padded rows), one at a time (FSDP, no pipeline); {attends} "
+            f"(actor.fsdp.attn_implementation); {RECOMPUTE_MEANING.get(est.recompute, est.recompute)}{reshard}")
 
 
 def suggestions(cfg: DictConfig, device: str) -> list[tuple[dict[str, Any], str]]:

@@ -17,10 +17,11 @@ bucket (hpcrl.engines.transfer); a rollout worker (`estimate_rollout_worker`) ha
 the rollout phase and while it receives the weights.
 
 An MoE model's experts, their optimizer state and the token dispatcher's buffers are terms of
-`moe.py`, added where the dense ones are; a role on the FSDP engine (actor.engine=fsdp) is `fsdp.py`'s
-`FsdpRole`, whose terms take the place of a Megatron role's. The tokens of a micro-batch, the activations of one layer,
-the logits and vLLM's activation reserve and default CPU KV cache are `activations.py`'s; this module
-adds them up with the weights and optimizer state of each role, phase by phase.
+`moe.py`, added where the dense ones are; a role's own terms are `megatron.py`'s `MegatronRoleShard`
+on the Megatron engine and `fsdp.py`'s `FsdpRole` on the FSDP engine (actor.engine=fsdp), with one
+interface. The tokens of a micro-batch, the activations of one layer, the logits and vLLM's
+activation reserve and default CPU KV cache are `activations.py`'s; this module adds them up with
+the weights and optimizer state of each role, phase by phase.
 
 Every term is in bytes for the worst pipeline stage (stage 0 holds the embedding and the most
 micro-batches in flight under 1F1B; the last stage holds the LM head and the logits). The formulas
@@ -58,6 +59,7 @@ from hpcrl.plan.activations import (
     vllm_batch_limits,
     working_elements_per_token,
 )
+from hpcrl.plan.megatron import MegatronRoleShard, add_role, add_update, lora_shard_params, megatron_role_shard
 from hpcrl.plan.shape import (
     ModelShape,
     largest_reshard_unit_params,
@@ -179,92 +181,6 @@ class Estimate:
 
 # -- the plan --------------------------------------------------------------------------------------
 @dataclass
-class _Role:
-    """One Megatron role's bytes on one GPU of one stage."""
-
-    name: str
-    params: int
-    dtype_bytes: int
-    trains: bool
-    low_precision: bool  # bf16 weights: fp32 masters and fp32 main_grad buffers
-    # parameters the optimizer steps when not all of them (LoRA: the adapters, held besides `params`)
-    adapter_params: int | None = None
-    # DP ranks the masters and Adam moments are cut over (optim.shard_over_dp; whole tensors, so a
-    # rank may keep a little more than its even share)
-    optim_shards: int = 1
-    # an MoE model's experts on this GPU, their own rows, cut over the expert-DP ranks (moe.py)
-    experts: _Role | None = None
-
-    @property
-    def trained(self) -> int:
-        return self.params if self.adapter_params is None else self.adapter_params
-
-    @property
-    def weights(self) -> int:
-        return (self.params + (self.adapter_params or 0)) * self.dtype_bytes
-
-    @property
-    def masters(self) -> int:
-        return -(-self.trained // self.optim_shards) * 4 if self.trains and self.low_precision else 0
-
-    @property
-    def kept_grads(self) -> int:
-        """fp32 main_grad buffers: allocated once, zeroed, never freed (engine._add_fp32_grad_buffers)."""
-        return self.trained * 4 if self.trains and self.low_precision else 0
-
-    @property
-    def step_grads(self) -> int:
-        """fp32 .grad of an fp32 model: built by the backward, dropped after each optimizer step."""
-        return self.trained * 4 if self.trains and not self.low_precision else 0
-
-    @property
-    def adam(self) -> int:
-        return -(-self.trained // self.optim_shards) * 8 if self.trains else 0
-
-    @property
-    def resident(self) -> int:
-        experts = self.experts.resident if self.experts else 0
-        return self.weights + self.masters + self.kept_grads + self.adam + experts
-
-    @property
-    def at_build(self) -> int:
-        """What it holds once built, before the first optimizer step allocates Adam's moments."""
-        return (self.weights + self.masters + self.kept_grads) + (self.experts.at_build if self.experts else 0)
-
-
-def _role(name: str, shape: ModelShape, lay: Layout, stage: int, run: _Run, trains: bool, head: str = "lm",
-          ep: int = 1, shard_over_dp: bool = False, adapters: int | None = None) -> _Role:
-    """A Megatron role's bytes on one GPU of `stage`: its parameters, and an MoE model's experts apart."""
-    params, experts = moe.role_shard_params(shape, lay.tp, lay.pp, stage, head, ep)
-    # as the engine: no ZeRO-1 with expert parallel (the EP ranks of one DP x CP group step other experts)
-    shard_over_dp = shard_over_dp and ep == 1
-    low = run.dtype_bytes < 4
-    return _Role(name, params, run.dtype_bytes, trains, low, adapters,
-                 optim_shards=max(lay.dp * lay.cp, 1) if shard_over_dp else 1,
-                 experts=_Role(f"{name} expert", experts, run.dtype_bytes, trains and adapters is None, low,
-                               optim_shards=moe.expert_data_parallel(lay, ep) if shard_over_dp else 1)
-                 if experts else None)
-
-
-def _add_role(phase: Phase, role: _Role | fsdp.FsdpRole, dtype: str, offloaded: bool = False,
-              with_step_grads: bool = False) -> None:
-    if isinstance(role, fsdp.FsdpRole):
-        role.add_to(phase, with_step_grads)
-        return
-    if offloaded:
-        return
-    phase.add(f"{role.name} weights ({dtype})", role.weights)
-    if role.trains:
-        phase.add(f"{role.name} gradients (fp32 main_grad)", role.kept_grads)
-        if with_step_grads:
-            phase.add(f"{role.name} gradients (fp32 .grad)", role.step_grads)
-        phase.add(f"{role.name} master weights (fp32)", role.masters)
-        phase.add(f"{role.name} Adam moments (2 x fp32)", role.adam)
-    if role.experts is not None:
-        _add_role(phase, role.experts, dtype, with_step_grads=with_step_grads)
-
-
-@dataclass
 class _Run:
     """What every stage's plan shares: the config's choices, resolved once."""
 
@@ -340,18 +256,6 @@ class _Run:
         return not self.gpu and self.cfg.model.local_attention == "dense"
 
 
-def lora_shard_params(shape: ModelShape, rank: int, targets: tuple[str, ...], tp: int, pp: int) -> int:
-    """LoRA adapter parameters on one GPU of a stage (hpcrl.engines.megatron.lora): per layer,
-    column-parallel layers hold the whole A [r, in] and 1/TP of B, row-parallel ones 1/TP of A and
-    the whole B [out, r]."""
-    h, ffn = shape.hidden_size, shape.intermediate_size
-    per_layer = {"linear_qkv": rank * h + (shape.q_dim + 2 * shape.kv_dim) // tp * rank,
-                 "linear_fc1": rank * h + 2 * ffn // tp * rank,
-                 "linear_proj": rank * (shape.q_dim // tp) + h * rank,
-                 "linear_fc2": rank * (ffn // tp) + h * rank}
-    return (shape.num_layers // pp) * sum(per_layer[t] for t in targets)
-
-
 def _stage_estimate(run: _Run, stage: int, engines: bool = True) -> tuple[list[Phase], int, list[str], dict[str, int]]:
     """(phases, micro-batches in flight, problems, pinned host bytes per node) of one pipeline stage;
     engines=False: a trainer worker of the split placement (no vLLM beside the roles)."""
@@ -373,27 +277,29 @@ def _stage_estimate(run: _Run, stage: int, engines: bool = True) -> tuple[list[P
         adapters = lora_shard_params(policy, lora.rank, targets, 1, 1) if fsdp.on_fsdp(cfg, "actor") else \
             lora_shard_params(policy, lora.rank, targets, tp, pp)
     ep = {role: moe.expert_parallel(cfg, role, lay) for role, lay in run.layouts.items()}
-    actor: _Role | fsdp.FsdpRole = fsdp.fsdp_role(run, "actor", policy, True, adapters=adapters or 0) \
-        if fsdp.on_fsdp(cfg, "actor") else \
-        _role("actor", policy, actor_lay, stage, run, True, ep=ep["actor"],
-              shard_over_dp=cfg.actor.optim.shard_over_dp, adapters=adapters)
-    others: list[_Role | fsdp.FsdpRole] = []
+    actor: MegatronRoleShard | fsdp.FsdpRole = \
+        fsdp.fsdp_role(run, "actor", policy, True, adapters=adapters or 0) if fsdp.on_fsdp(cfg, "actor") else \
+        megatron_role_shard("actor", policy, actor_lay, stage, run, True, ep=ep["actor"],
+                            shard_over_dp=cfg.actor.optim.shard_over_dp, adapters=adapters)
+    others: list[MegatronRoleShard | fsdp.FsdpRole] = []
     if "critic" in run.layouts:
         others.append(fsdp.fsdp_role(run, "critic", critic_shape, True, head="value") if fsdp.on_fsdp(cfg, "critic")
-                      else _role("critic", critic_shape, run.layouts["critic"], stage, run, True, head="value",
-                                 ep=ep["critic"], shard_over_dp=cfg.critic.optim.shard_over_dp))
+                      else megatron_role_shard("critic", critic_shape, run.layouts["critic"], stage, run, True,
+                                               head="value", ep=ep["critic"],
+                                               shard_over_dp=cfg.critic.optim.shard_over_dp))
     if "reference" in run.layouts and not lora.rank:
         others.append(fsdp.fsdp_role(run, "reference", policy, False) if fsdp.on_fsdp(cfg, "reference")
-                      else _role("reference", policy, run.layouts["reference"], stage, run, False, ep=ep["reference"]))
+                      else megatron_role_shard("reference", policy, run.layouts["reference"], stage, run, False,
+                                               ep=ep["reference"]))
     fsdp_roles = {r.name: r for r in [actor, *others] if isinstance(r, fsdp.FsdpRole)}
     if shapes.reward_model is not None:
-        others.append(_role("reward model", shapes.reward_model, actor_lay, stage, run, False, head="value",
-                            ep=ep["actor"]))
+        others.append(megatron_role_shard("reward model", shapes.reward_model, actor_lay, stage, run, False,
+                                          head="value", ep=ep["actor"]))
 
     def resident(phase: Phase, actor_offloaded: bool = False, step_grads_of: str | None = None) -> None:
-        _add_role(phase, actor, run.dtype, offloaded=actor_offloaded, with_step_grads=step_grads_of == "actor")
+        add_role(phase, actor, run.dtype, offloaded=actor_offloaded, with_step_grads=step_grads_of == "actor")
         for r in others:
-            _add_role(phase, r, run.dtype, with_step_grads=step_grads_of == r.name)
+            add_role(phase, r, run.dtype, with_step_grads=step_grads_of == r.name)
 
     vocab_shard = megatron_padded_vocab(policy.vocab_size, tp) // tp
     vllm_label = f"vLLM weights (rollout TP={rollout_tp})"
@@ -449,15 +355,7 @@ def _stage_estimate(run: _Run, stage: int, engines: bool = True) -> tuple[list[P
 
     update = Phase("update actor")
     resident(update, step_grads_of="actor")
-    in_flight = 1
-    if isinstance(actor, fsdp.FsdpRole):
-        actor.add_update(update, run)
-    else:
-        kept, in_flight = run.stored_activations("actor", policy, stage)
-        routed = run.kept_dispatch("actor", policy, in_flight)
-        update.add("activations kept for backward", kept - routed)
-        update.add(moe.DISPATCH_LABEL, routed)
-        update.add("working set of one layer", run.working("actor", policy))
+    in_flight = add_update(update, actor, run, policy, stage)
     if last and not isinstance(actor, fsdp.FsdpRole):
         entropy = float(cfg.actor.entropy_coeff) != 0.0
         update.add("logits at response positions", logits_bytes(run.local_tokens("actor"), vocab_shard,
@@ -467,14 +365,7 @@ def _stage_estimate(run: _Run, stage: int, engines: bool = True) -> tuple[list[P
     if "critic" in run.layouts:
         critic_update = Phase("update critic")
         resident(critic_update, step_grads_of="critic")
-        if "critic" in fsdp_roles:
-            fsdp_roles["critic"].add_update(critic_update, run)
-        else:
-            kept, critic_in_flight = run.stored_activations("critic", critic_shape, stage)
-            routed = run.kept_dispatch("critic", critic_shape, critic_in_flight)
-            critic_update.add("activations kept for backward", kept - routed)
-            critic_update.add(moe.DISPATCH_LABEL, routed)
-            critic_update.add("working set of one layer", run.working("critic", critic_shape))
+        add_update(critic_update, next(r for r in others if r.name == "critic"), run, critic_shape, stage)
         critic_update.add(runtime_label, runtime_bytes)
         phases.append(critic_update)
 

@@ -11,7 +11,7 @@ carved out of a role's DP x CP ranks, expert tensor parallel = TP, the all-to-al
   every MoE layer, each TP-sharded as a dense MLP is.
 - `expert_data_parallel`: the ranks that hold the same experts (DP x CP / EP); with
   optim.shard_over_dp (ZeRO-1) the experts' fp32 masters and Adam moments are cut over them, the rest
-  over all DP x CP ranks (`memory._Role.experts`).
+  over all DP x CP ranks (`megatron.MegatronRoleShard.experts`).
 - `kept_elements_per_token`, `working_elements_per_token`, `kept_dispatch_bytes`: the dispatcher's
   buffers (the tokens x top-k permuted hidden states into and out of the experts) and the experts'
   activations, kept for the backward and alive inside one layer.

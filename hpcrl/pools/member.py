@@ -106,7 +106,7 @@ def _build_engine(plain: dict[str, Any]) -> Any:
     from hpcrl.engines.megatron.model import read_arch
     from hpcrl.launch.rendezvous import default_backend
     from hpcrl.workers.actor_rollout import build_rollout_engine
-    from hpcrl.workers.megatron_roles import resolve_dtype
+    from hpcrl.workers.role_engines import resolve_dtype
 
     backend = default_backend()
     if backend == "nccl":

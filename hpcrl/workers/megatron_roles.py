@@ -21,46 +21,12 @@ from hpcrl.algos.losses import kl_estimate, ppo_policy_loss, value_loss
 from hpcrl.config.derived import kl_loss_active, role_engine
 from hpcrl.controller import Collect, Dispatch, Worker, register
 from hpcrl.controller.batch import Batch
-from hpcrl.engines.megatron.engine import EngineOptions, MegatronEngine, OptimSettings, init_model_parallel
-from hpcrl.engines.megatron.lora import LoraSettings, adapters_to_hf, resolve_targets
-from hpcrl.engines.megatron.moe import MoeSettings
+from hpcrl.engines.megatron.lora import adapters_to_hf
 from hpcrl.workers.batching import sequences, to_label_aligned, to_token_aligned
 from hpcrl.workers.memory import peak_memory
+from hpcrl.workers.role_engines import build_engine
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FIRST_STEP_ONLY = "logprob_gap_"  # metrics of an update's first optimizer step (before any change)
-_layout_in_use: tuple[int, int, int, int] | None = None
-
-
-def resolve_dtype(name: str) -> torch.dtype:
-    """auto: bf16 on GPUs, fp32 on CPU (bf16 log-probs drift by up to 0.19 nats there)."""
-    if name == "auto":
-        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    return DTYPES[name]
-
-
-def _use_layout(tp: int, pp: int, seed: int, cp: int = 1, ep: int = 1) -> None:
-    """megatron's parallel_state is process-global: colocated roles must share one layout."""
-    global _layout_in_use
-    if _layout_in_use == (tp, pp, cp, ep):
-        return
-    init_model_parallel(tp, pp, seed=seed, cp=cp, ep=ep)
-    _layout_in_use = (tp, pp, cp, ep)
-
-
-def lora_options(cfg: dict[str, Any]) -> tuple[LoraSettings | None, str | None]:
-    """The actor's LoRA settings and the PEFT folder to start from (either engine)."""
-    settings = lora_settings(cfg)
-    return settings, (cfg["actor"].get("lora") or {}).get("adapters") if settings else None
-
-
-def lora_settings(cfg: dict[str, Any]) -> LoraSettings | None:
-    """The actor's LoRA settings from a resolved config (None: full fine-tuning)."""
-    lora = cfg["actor"].get("lora") or {}
-    if not lora.get("rank"):
-        return None
-    return LoraSettings(rank=int(lora["rank"]), alpha=float(lora["alpha"]), dropout=float(lora["dropout"]),
-                        targets=resolve_targets(list(lora["target_modules"])), seed=int(cfg["trainer"]["seed"]))
 
 
 def _gloo_threads() -> int:
@@ -87,16 +53,6 @@ class MegatronRole(Worker):
         self.role = role
         self.cfg = cfg
         section = cfg[role]
-        trains = role in ("actor", "critic")
-        optim = None
-        if trains:
-            o = section["optim"]
-            n_mini = max(cfg["data"]["train_batch_size"] * cfg["rollout"]["n"] // section["ppo_mini_batch_size"], 1)
-            optim = OptimSettings(lr=o["lr"], min_lr=o["min_lr"], lr_schedule=o["lr_schedule"],
-                                  warmup_steps=o["warmup_steps"], weight_decay=o["weight_decay"],
-                                  betas=(o["adam_beta1"], o["adam_beta2"]), eps=o["adam_eps"],
-                                  clip_grad=o["clip_grad"], shard_over_dp=o["shard_over_dp"],
-                                  total_steps=cfg["trainer"]["total_steps"] * n_mini * section["ppo_epochs"])
         path = model_path or (cfg["critic"].get("model_path") if role == "critic" else None) or cfg["model"]["path"]
         self.model_path = path
         self.section = section
@@ -105,53 +61,7 @@ class MegatronRole(Worker):
         # samples from, softmax(logits / T): ratios, KL and entropy then belong to that policy.
         self.temperature = float(cfg["rollout"]["temperature"]) if role in ("actor", "reference") else 1.0
         self.engine_kind = role_engine(cfg, role)
-        if self.engine_kind == "fsdp":
-            self.engine = self._fsdp_engine(path, trains, optim, ranks)
-        else:
-            self.engine = self._megatron_engine(path, trains, optim)
-
-    def _megatron_engine(self, path: str, trains: bool, optim: OptimSettings | None) -> MegatronEngine:
-        cfg, role, section = self.cfg, self.role, self.section
-        # reference and critic default to the actor's layout (they are colocated with it)
-        par = section.get("parallel") or cfg["actor"]["parallel"]
-        _use_layout(par["tensor_parallel"], par["pipeline_parallel"], seed=cfg["trainer"]["seed"],
-                    cp=par.get("context_parallel", 1), ep=par.get("expert_parallel", 1))
-        src = section if trains else cfg["actor"]
-        options = EngineOptions(dtype=resolve_dtype(cfg["model"]["dtype"]), attention=cfg["model"]["local_attention"],
-                                micro_batch_tokens=src["micro_batch_tokens"], packing=src["packing"],
-                                micro_batch_size=src["micro_batch_size"],
-                                share_prompt=cfg["actor"]["share_prompt"],
-                                sequence_parallel=bool(par.get("sequence_parallel", False)),
-                                # the reference only runs forwards: nothing to recompute
-                                recompute=section.get("recompute", "none") if trains else "none")
-        moe = section.get("moe") if trains else None
-        if moe:
-            options.moe = MoeSettings(aux_loss_coeff=float(moe.get("aux_loss_coeff", 0.0)),
-                                      z_loss_coeff=float(moe.get("z_loss_coeff", 0.0)),
-                                      # the actor's forwards replay the rollout's experts (R3)
-                                      routing_replay=role == "actor" and bool(cfg["rollout"].get("routing_replay")))
-        if role == "actor":
-            options.lora, options.lora_adapters = lora_options(cfg)
-        return MegatronEngine(path, options, value_head=role == "critic", optim=optim)
-
-    def _fsdp_engine(self, path: str, trains: bool, optim: OptimSettings | None, ranks: list[int] | None) -> Any:
-        """The FSDP2 engine (hpcrl.engines.fsdp) over the HF model; `ranks` (tests): the torch ranks it
-        shards over, default every worker."""
-        from hpcrl.engines.fsdp.engine import FsdpEngine, FsdpOptions
-
-        cfg, section = self.cfg, self.section
-        src = section if trains else cfg["actor"]
-        fsdp = cfg["actor"]["fsdp"]  # (one set of FSDP options for every role on the engine)
-        options = FsdpOptions(dtype=resolve_dtype(cfg["model"]["dtype"]), micro_batch_tokens=src["micro_batch_tokens"],
-                              packing=src["packing"], micro_batch_size=src["micro_batch_size"],
-                              share_prompt=cfg["actor"]["share_prompt"],
-                              recompute=section.get("recompute", "none") if trains else "none",
-                              cpu_offload=bool(fsdp.get("cpu_offload", False)),
-                              reshard_after_forward=bool(fsdp.get("reshard_after_forward", True)),
-                              accumulate_unsharded=bool(fsdp.get("accumulate_unsharded", False)))
-        if self.role == "actor":
-            options.lora, options.lora_adapters = lora_options(cfg)
-        return FsdpEngine(path, options, value_head=self.role == "critic", optim=optim, ranks=ranks)
+        self.engine = build_engine(cfg, role, path, ranks)
 
     def parallel_coords(self) -> tuple[int, int, int]:
         """(dp, model-parallel, pp): the TP x CP ranks of a stage share their DP rank's data, and
@@ -173,6 +83,9 @@ class MegatronRole(Worker):
                 "ep": e.ep_size, "experts": e.arch.num_experts,
                 "sequence_parallel": bool(getattr(getattr(e.model, "config", None), "sequence_parallel", False)),
                 "recompute": e.options.recompute, "engine": self.engine_kind,
+                # the FSDP engine's attention implementation, and whether it takes the block-diagonal mask
+                "attention": getattr(getattr(getattr(e.model, "hf", None), "config", None), "_attn_implementation",
+                                     None), "masked_attention": getattr(e, "masked_attention", None),
                 # vLLM's CPU worker turns torch.set_num_threads into a no-op once it is built, so this
                 # stays what OMP_NUM_THREADS gave (hpcrl run: 1 per rank, every rank its own process)
                 "torch_threads": torch.get_num_threads(), "cpu_affinity": sorted(os.sched_getaffinity(0)),

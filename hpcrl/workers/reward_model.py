@@ -17,7 +17,8 @@ from hpcrl.controller.batch import Batch
 from hpcrl.engines.megatron.convert import SafetensorsReader
 from hpcrl.engines.megatron.engine import EngineOptions, MegatronEngine
 from hpcrl.workers.batching import sequences
-from hpcrl.workers.megatron_roles import MegatronRole, _use_layout, resolve_dtype
+from hpcrl.workers.megatron_roles import MegatronRole
+from hpcrl.workers.role_engines import resolve_dtype, use_layout
 
 
 class RewardModelRole(MegatronRole):
@@ -25,7 +26,7 @@ class RewardModelRole(MegatronRole):
 
     def __init__(self, cfg: dict[str, Any], model_path: str | None = None):
         par = cfg["actor"]["parallel"]
-        _use_layout(par["tensor_parallel"], par["pipeline_parallel"], seed=cfg["trainer"]["seed"],
+        use_layout(par["tensor_parallel"], par["pipeline_parallel"], seed=cfg["trainer"]["seed"],
                     cp=par.get("context_parallel", 1))
         a = cfg["actor"]
         self.role = "reward_model"

@@ -24,8 +24,9 @@ import torch
 from hpcrl.controller import Collect, Dispatch, Worker, register
 from hpcrl.engines.transfer import receive_from_trainer, send_to_rollout
 from hpcrl.workers.actor_rollout import RolloutMethods, build_rollout_engine
-from hpcrl.workers.megatron_roles import MegatronRole, resolve_dtype
+from hpcrl.workers.megatron_roles import MegatronRole
 from hpcrl.workers.memory import peak_memory
+from hpcrl.workers.role_engines import resolve_dtype
 
 # this process's end of the bridge (None on trainer workers other than worker 0), and of the bridges
 # per rollout TP rank: on worker 0 all of them (index r: worker 0 and the rollout workers of TP rank

@@ -354,6 +354,17 @@ def reference_errors(ref: dict, steps: list[dict[str, torch.Tensor]], got: dict[
             "update_size": rel_diff(ref_w, w0)}  # |w_ref - w0| / |w0|: how far the step moved
 
 
+def recorded_update(actor: Any, batch: Any, agg: str) -> tuple[dict[str, Any], list[dict[str, torch.Tensor]]]:
+    """The actor's update of a reference batch, cut as the reference cuts it (REF_MINI mini-batches
+    from REF_SEED's shuffle, REF_EPOCHS epochs): (metrics, each optimizer step's recorded gradients)."""
+    from hpcrl.workers.batching import arrange_minibatches
+
+    actor.record_gradients(True)
+    arranged = arrange_minibatches(copy.copy(batch), REF_MINI, actor.layout.dp_size, agg, shuffle_seed=REF_SEED)
+    metrics = actor.update_actor(arranged, num_minibatches=REF_MINI, epochs=REF_EPOCHS)
+    return metrics, [merged(list(s)) for s in zip(*[r for r in actor.recorded_gradients() if r is not None])]
+
+
 def reference_step_checks(workers: int, res: dict[str, Any], timed: Any) -> None:
     """hpcrl's actor and critic updates (Megatron, every layout that fits, fp32 and bf16 with fp32
     masters, T=0.7, 2 mini-batches x 2 epochs, shuffled mini-batches) against the independent
@@ -400,11 +411,7 @@ def reference_step_checks(workers: int, res: dict[str, Any], timed: Any) -> None
         cfg = reference_case_cfg(case, len(batch), tp, pp, t)
         cfg["actor"]["parallel"].update(context_parallel=cp, sequence_parallel=sp)
         actor = WorkerGroup(MegatronRole, init_kwargs={"cfg": cfg, "role": "actor"}, name=f"ref-{name}")
-        actor.record_gradients(True)
-        arranged = arrange_minibatches(copy.copy(batch), REF_MINI, actor.layout.dp_size, case["agg"],
-                                       shuffle_seed=REF_SEED)
-        metrics = actor.update_actor(arranged, num_minibatches=REF_MINI, epochs=REF_EPOCHS)
-        steps = [merged(list(s)) for s in zip(*[r for r in actor.recorded_gradients() if r is not None])]
+        metrics, steps = recorded_update(actor, batch, case["agg"])
         got = merged(actor.hf_weights())
 
         settings = reference_settings(cfg, case, t, masters_fp32=bf16)
@@ -453,11 +460,7 @@ def reference_step_checks(workers: int, res: dict[str, Any], timed: Any) -> None
         # torch ranks 0..dp-1 are MPI ranks 1..dp (the controller is MPI rank 0)
         actor = WorkerGroup(MegatronRole, ranks=list(range(1, dp + 1)),
                             init_kwargs={"cfg": cfg, "role": "actor", "ranks": list(range(dp))}, name=f"fsdp-dp{dp}")
-        actor.record_gradients(True)
-        arranged = arrange_minibatches(copy.copy(batch), REF_MINI, actor.layout.dp_size, case["agg"],
-                                       shuffle_seed=REF_SEED)
-        metrics = actor.update_actor(arranged, num_minibatches=REF_MINI, epochs=REF_EPOCHS)
-        steps = [merged(list(s)) for s in zip(*[r for r in actor.recorded_gradients() if r is not None])]
+        metrics, steps = recorded_update(actor, batch, case["agg"])
         got = merged(actor.hf_weights())
         ref = run_reference(plain, rows, reference_settings(cfg, case, REF_T, masters_fp32=False))
         described = actor.describe()
@@ -596,17 +599,13 @@ def fsdp_lora_reference(batch: Any, plain: dict[str, torch.Tensor], rows: list[l
     from transformers import AutoModelForCausalLM
 
     from hpcrl.controller import WorkerGroup
-    from hpcrl.workers.batching import arrange_minibatches
     from hpcrl.workers.megatron_roles import MegatronRole
 
     cfg = reference_case_cfg(case, len(batch), 1, 1, REF_T, engine="fsdp",
                              **{"lora.rank": LORA_RANK, "lora.alpha": LORA_ALPHA})
     actor = WorkerGroup(MegatronRole, init_kwargs={"cfg": cfg, "role": "actor"}, name="fsdp-lora")
-    actor.record_gradients(True)
     peft0 = merged(actor.lora_adapters())
-    arranged = arrange_minibatches(copy.copy(batch), REF_MINI, actor.layout.dp_size, case["agg"], shuffle_seed=REF_SEED)
-    metrics = actor.update_actor(arranged, num_minibatches=REF_MINI, epochs=REF_EPOCHS)
-    steps = [merged(list(s)) for s in zip(*[r for r in actor.recorded_gradients() if r is not None])]
+    metrics, steps = recorded_update(actor, batch, case["agg"])
     peft1, got_w, base = merged(actor.lora_adapters()), merged(actor.hf_weights()), merged(actor.hf_weights(False))
     dp = actor.layout.dp_size
     actor.close()
@@ -814,8 +813,23 @@ def main() -> None:
                                    "shared_vs_hf": float((f_resp - ref).abs()[rmask].max()),
                                    "whole_vs_hf": float((f_whole - ref).abs()[rmask].max()),
                                    "shared_elsewhere": float(f_resp.abs()[~rmask].max()),
-                                   "engine": fsdp.describe()["engine"], "dp": fsdp.layout.dp_size}
+                                   "engine": fsdp.describe()["engine"], "dp": fsdp.layout.dp_size,
+                                   "attention": fsdp.describe()["attention"]}
             fsdp.close()
+            # actor.fsdp.attn_implementation: eager takes the block-diagonal mask as an additive float mask;
+            # flex_attention reads packed rows by position_ids alone (the path flash attention takes on GPU:
+            # transformers cuts each row where its positions restart; each sequence whole, no prompt sharing)
+            for impl in ("eager", "flex_attention"):
+                cfg = make_cfg(TINY, 1, 1, engine="fsdp")
+                cfg["actor"]["fsdp"]["attn_implementation"] = impl
+                other = WorkerGroup(MegatronRole, init_kwargs={"cfg": cfg, "role": "actor"}, name=f"tiny-fsdp-{impl}")
+                described = other.describe()
+                i_lp, i_resp = other.compute_logprob(batch), other.compute_logprob(batch, response_only=True)
+                res["fsdp_packing"][impl] = {"packed_vs_hf": float(((i_lp - ref).abs() * mask).max()),
+                                             "response_vs_hf": float((i_resp - ref).abs()[rmask].max()),
+                                             "attention": described["attention"],
+                                             "masked": described["masked_attention"]}
+                other.close()
             # HF -> Megatron (TP=2 PP=2) -> HF through the real model, bit for bit
             actor.export_hf(str(tmp / "tiny-rt"))
             a, b = load_safetensors_dir(TINY), load_safetensors_dir(str(tmp / "tiny-rt"))

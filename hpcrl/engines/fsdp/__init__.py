@@ -9,6 +9,7 @@ ranks with torch's `fully_shard`, beside the Megatron engine (`actor.engine=fsdp
               sequence attending to itself only, the forward (logits only where needed),
               log-probs at the sampling temperature, entropies, values, and the optimizer step
               (AdamW over the fp32 shards, global gradient norm and clip, non-finite steps skipped)
+  attention.py  which attention implementation the model is loaded with (actor.fsdp.attn_implementation)
   lora.py     LoRA through PEFT's own layers (put in before sharding), adapters off for the reference,
               merged weights, PEFT names
   weights.py  the reshard to vLLM: full tensors gathered bucket by bucket on every rank (merged with

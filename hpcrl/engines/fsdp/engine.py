@@ -10,11 +10,13 @@ normalised over the whole mini-batch, as for the Megatron engine).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from hpcrl.engines.fsdp.attention import attention_implementation, takes_block_mask
 from hpcrl.engines.fsdp.forward import ForwardMixin
 from hpcrl.engines.fsdp.lora import (
     FsdpLora,
@@ -28,6 +30,8 @@ from hpcrl.engines.fsdp.lora import (
 from hpcrl.engines.fsdp.shards import gather_full, local_shard
 from hpcrl.engines.megatron.lora import LoraSettings
 from hpcrl.engines.megatron.optimizer import OptimSettings
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -50,10 +54,42 @@ class FsdpOptions:
     # keep the gathered parameters and unsharded gradients across one step's micro-batches (one
     # all-gather and one reduce-scatter per optimizer step)
     accumulate_unsharded: bool = False
+    # transformers' attn_implementation (attention.py); None: flash_attention_2 on CUDA with flash_attn
+    # installed, else transformers' default
+    attn_implementation: str | None = None
     # LoRA adapters through PEFT (hpcrl.engines.fsdp.lora), the actor's; a PEFT folder to start from
     lora: LoraSettings | None = None
     lora_adapters: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _load_hf(model_path: str, requested: str | None, cuda: bool) -> Any:
+    """The HF causal LM in fp32 with its attention implementation (attention.py). A failure is told
+    apart by loading again with transformers' default: the model's (model.path) or the attention's
+    (actor.fsdp.attn_implementation; where the engine chose flash attention itself, it warns and keeps
+    the default)."""
+    from transformers import AutoModelForCausalLM
+
+    def load(attention: str | None) -> Any:
+        extra = {"attn_implementation": attention} if attention else {}
+        try:
+            return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **extra)
+        except (ImportError, OSError, ValueError, KeyError) as e:
+            return e
+
+    attention = attention_implementation(requested, cuda)
+    hf = load(attention)
+    if not isinstance(hf, Exception):
+        return hf
+    default = load(None) if attention else hf
+    if isinstance(default, Exception):
+        raise ValueError(f"model.path={model_path}: transformers cannot build it as a causal LM ({default})") \
+            from default
+    if requested:
+        raise ValueError(f"actor.fsdp.attn_implementation={requested}: transformers cannot load {model_path} "
+                         f"with it ({hf}). Set it to null (the default) or sdpa.") from hf
+    log.warning("flash_attention_2 did not load (%s): transformers' default attention instead", hf)
+    return default
 
 
 @dataclass(frozen=True)
@@ -155,7 +191,6 @@ class FsdpEngine(ForwardMixin):
         import torch.distributed as dist
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-        from transformers import AutoModelForCausalLM
 
         self.options = options or FsdpOptions()
         self.value_head = value_head
@@ -173,10 +208,7 @@ class FsdpEngine(ForwardMixin):
         self.routes = None
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
             torch.device("cpu")
-        try:
-            hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-        except (OSError, ValueError, KeyError) as e:
-            raise ValueError(f"model.path={model_path}: transformers cannot build it as a causal LM ({e})") from e
+        hf = _load_hf(model_path, self.options.attn_implementation, self.device.type == "cuda")
         if self.options.lora is not None and not value_head:  # before fully_shard: PEFT adds modules
             self.lora = apply_peft_lora(hf, self.options.lora, self.arch.is_moe, self.options.lora_adapters)
         head = None
@@ -190,7 +222,7 @@ class FsdpEngine(ForwardMixin):
         hf.config.use_cache = False
         # the attention implementations that take pack's block-diagonal mask (forward.py); a sliding
         # window the mask would replace (the longest sequence it stays exact for)
-        self.masked_attention = hf.config._attn_implementation in ("sdpa", "eager")
+        self.masked_attention = takes_block_mask(hf.config._attn_implementation)
         text = getattr(hf.config, "get_text_config", lambda: hf.config)()
         self.sliding_window = getattr(text, "sliding_window", None) or None
         # built in host memory: fully_shard moves each unit to the device as it cuts it, so a GPU holds

@@ -11,7 +11,8 @@ attends only to itself, at its own positions (`position_ids` drive RoPE), in one
   go the second way;
 - `position_ids` alone (flash attention on GPU, and the case above): transformers cuts the row where the
   positions restart, varlen attention under flash attention and its own per-sequence mask otherwise
-  (window included). No prompt sharing there.
+  (window included; transformers looks for packed rows only without a KV cache: the engine sets
+  use_cache off). No prompt sharing there. Which attention the model has: attention.py.
 
 Every FSDP forward all-gathers each layer's parameters over the group, so every rank must run the same
 number of forwards (and backwards): a rank with fewer micro-batches than the most loaded one runs empty
