@@ -552,8 +552,6 @@ FSDP = ["actor.engine=fsdp", "actor.parallel.tensor_parallel=1"]
     ([*FSDP, "critic.enable=true", "critic.parallel.tensor_parallel=2"], "critic.parallel.tensor_parallel=2",
      "the FSDP engine (critic)"),
     ([*FSDP, "actor.recompute=selective"], "actor.recompute=selective", "whole layers (full) or nothing"),
-    ([*FSDP, "trainer.placement=split", "trainer.rollout_workers=2", "trainer.workers_per_node=4"],
-     "trainer.placement=split", "the FSDP engine runs colocated"),
     (["actor.fsdp.cpu_offload=true"], "actor.fsdp.cpu_offload=True", "no role runs on it"),
     (["actor.fsdp.accumulate_unsharded=true"], "actor.fsdp.accumulate_unsharded=True", "no role runs on it"),
     (["actor.engine=fsdpp"], "actor.engine='fsdpp'", "not one of megatron, fsdp"),

@@ -357,6 +357,22 @@ def test_split_placement_plans_trainer_and_rollout_workers_apart() -> None:
     assert trainer.fits and rollout.fits
 
 
+def test_split_placement_with_the_fsdp_engine_plans_the_gathered_bucket() -> None:
+    """trainer.placement=split with actor.engine=fsdp (2 trainer workers, DP=2): every trainer rank
+    all-gathers each bucket's full tensors (fp32: the tiny model's largest bucket under 16 MiB is the
+    whole model, 2.2 MB), and rank 0 sends a flat copy of it; no Megatron TP parts or conversion."""
+    cfg = load_config(REPO / TINY, ["trainer.placement=split", "trainer.rollout_workers=2", "actor.engine=fsdp",
+                                    "actor.parallel.tensor_parallel=1"])
+    validate(cfg)
+    trainer = estimate(cfg, RoleShapes(policy=tiny_shape()), host_mem_bytes=3 << 30, host_mem_source="test")
+    t = {p.name: p.terms for p in trainer.phases}
+    assert list(t)[0] == "transfer" and not any("vLLM" in label for terms in t.values() for label in terms)
+    whole = 4 * TINY_PARAMS  # HF's tensors (tied embeddings: the LM head is the embedding, gathered once)
+    assert t["transfer"]["reshard bucket: full tensors gathered (FSDP all-gather, fp32)"] == whole
+    assert t["transfer"]["transfer send buffer (one bucket, flat)"] == whole
+    assert "transfer bucket: TP parts, HF copy, send buffer" not in t["transfer"]
+
+
 def test_split_kv_cache_is_sized_for_the_rollout_workers_only() -> None:
     """The KV cache each engine gets is sized by the engines there are (the rollout workers), not by
     all the workers: with one engine of two workers, the demo's validation batch of 64 prompts all

@@ -508,8 +508,11 @@ def test_fully_async_run_stopped_mid_stream_resumes_each_prompt_once(grpo_refere
     assert sorted(rows) == sorted(r for m in ref_steps[:total] for r in m["data/prompt_rows"])
 
 
+# 20 steps of ~0.3 s: long enough that the SIGUSR1 sent after step 1 lands mid-run (with 4 steps the
+# run could end before the signal arrived, and the job finish without the requeue the test is about)
+FSDP_STEPS = 20
 FSDP_PHI3 = ["actor.engine=fsdp", "model.path=models/tiny-phi3", "actor.parallel.tensor_parallel=1",
-             "algorithm.adv_estimator=grpo", "trainer.total_steps=4", "checkpoint.save_every=2"]
+             "algorithm.adv_estimator=grpo", f"trainer.total_steps={FSDP_STEPS}", "checkpoint.save_every=2"]
 
 
 @pytest.mark.slurm
@@ -521,9 +524,10 @@ def test_fsdp_engine_trains_a_family_megatron_cannot_and_resumes_bit_exact(slurm
     partition, sent SIGUSR1 after step 1, saves at the step boundary (torch.distributed.checkpoint),
     requeues itself and resumes at the same layout: it ends byte for byte as the uninterrupted run, with
     the same step records (a whole world killed in a save is test_world_killed_in_a_save_..., the same
-    checkpoint store for either engine). The uninterrupted run's step-2 checkpoint resumed on 1 worker
-    (DP=1, DCP reshards) ends within fp32 rounding of it; resumed on the Megatron engine it is refused
-    before anything starts, naming actor.engine."""
+    checkpoint store for either engine). The uninterrupted run's step-18 checkpoint resumed with the split
+    placement (1 trainer worker at DP=1, DCP reshards; 1 rollout worker fed over the bridge) draws the
+    same samples and ends within fp32 rounding of it; resumed on the Megatron engine it is refused before
+    anything starts, naming actor.engine."""
     from hpcrl.config import load_config
 
     # the bad input first: the Megatron engine refuses the family before anything starts
@@ -534,13 +538,14 @@ def test_fsdp_engine_trains_a_family_megatron_cannot_and_resumes_bit_exact(slurm
 
     whole_dir = tmp_path / "whole" / "run"
     whole = hpcrl_run(whole_dir, *FSDP_PHI3, "trainer.workers_per_node=2")
-    assert [m["step"] for m in whole] == [1, 2, 3, 4]
+    assert [m["step"] for m in whole] == list(range(1, FSDP_STEPS + 1))
     for m in whole:
         assert m["rollout_actor_logprob_gap_max"] <= 1e-4, m
-    start = hf_weights(whole_dir, 2, tmp_path / "at2-hf")
-    end = hf_weights(whole_dir, 4, tmp_path / "whole-hf")
+    before = FSDP_STEPS - 2  # the last two steps: what the resumes below must reproduce
+    start = hf_weights(whole_dir, before, tmp_path / "before-hf")
+    end = hf_weights(whole_dir, FSDP_STEPS, tmp_path / "whole-hf")
     update = max(float((end[k] - start[k]).abs().max()) for k in end)
-    assert update > 1e-3  # steps 3-4 moved the weights
+    assert update > 1e-3  # the last two steps moved the weights
     assert any(".qkv_proj." in k for k in end)  # Phi-3's fused projections, under their HF names
 
     # the same run as a Slurm job on the preemptible partition (1 node x 2 workers: the same layout), sent
@@ -549,7 +554,9 @@ def test_fsdp_engine_trains_a_family_megatron_cannot_and_resumes_bit_exact(slurm
     usr1 = tmp_path / "usr1" / "run"
     job = submit(usr1, "preempt", *FSDP_PHI3, nodes=1)
     try:
-        wait_for(lambda: steps_done(usr1) >= 1, 600, "step 1", job)
+        wait_for(lambda: (usr1 / "metrics.jsonl").exists(), 600, "step 1", job)
+        while steps_done(usr1) < 1:  # (polled closely: the steps are short)
+            time.sleep(0.05)
         r = subprocess.run(["scancel", "--signal=USR1", "--batch", job], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
         wait_for(lambda: finished(job, "preempt"), 900, "the job to finish after its requeue", job)
@@ -558,22 +565,33 @@ def test_fsdp_engine_trains_a_family_megatron_cannot_and_resumes_bit_exact(slurm
     check_completed_after_restart(job)
     log = controller_log(usr1)
     assert "signal SIGUSR1; checkpoint saved" in log and "resumed from" in log, log[-3000:]
-    got = hf_weights(usr1, 4, tmp_path / "usr1-hf")
+    got = hf_weights(usr1, FSDP_STEPS, tmp_path / "usr1-hf")
     assert sorted(got) == sorted(end) and all(torch.equal(got[k], end[k]) for k in end)
     steps = read_jsonl(usr1 / "metrics.jsonl")
-    assert [m["step"] for m in steps] == [1, 2, 3, 4] and same_records(whole, steps) == []
+    assert [m["step"] for m in steps] == list(range(1, FSDP_STEPS + 1)) and same_records(whole, steps) == []
 
-    one = resumable_copy(whole_dir, tmp_path / "one" / "run", 2)
-    hpcrl_run(one, *FSDP_PHI3, "trainer.workers_per_node=1")
-    assert "resumed from" in controller_log(one)
-    got = hf_weights(one, 4, tmp_path / "one-hf")
+    # the step-18 checkpoint resumed with the split placement: 1 trainer worker (DP=1: DCP reshards) and 1
+    # rollout worker, the weights sent over the bridge after each update (hpcrl.engines.transfer), generation
+    # on-policy (max_staleness=0): the engine's log-probs equal the actor's (a stale or misnamed tensor
+    # would show), the steps draw the same samples, and the weights end within fp32 rounding
+    one = resumable_copy(whole_dir, tmp_path / "one" / "run", before)
+    split = hpcrl_run(one, *FSDP_PHI3, "trainer.workers_per_node=2", "trainer.placement=split",
+                      "trainer.rollout_workers=1", "rollout.max_staleness=0")
+    log = controller_log(one)
+    assert "resumed from" in log and "split" in log, log[-3000:]
+    assert [m["step"] for m in split] == list(range(1, FSDP_STEPS + 1))
+    for mine, ref in zip(split[before:], whole[before:], strict=True):
+        assert mine["rollout_actor_logprob_gap_max"] <= 1e-4, mine
+        for k in ("data/prompt_rows", "data/sampling_seeds", "reward/mean", "response_length/mean"):
+            assert mine[k] == ref[k], (mine["step"], k, mine[k], ref[k])
+    got = hf_weights(one, FSDP_STEPS, tmp_path / "one-hf")
     worst = max(float((got[k] - end[k]).abs().max()) for k in end) / update
-    print("DP=1 resume: largest weight difference relative to the largest change of steps 3-4:", worst)
+    print("split DP=1 resume: largest weight difference relative to the largest change of the last 2 steps:", worst)
     assert worst < 1e-3, worst
     # the control: the FSDP checkpoint resumed on the Megatron engine, refused before anything starts
     before = sorted(p.name for p in (one / "checkpoints").iterdir())
     r = run([HPCRL, "run", "configs/grpo_tiny.yaml", f"trainer.run_dir={one}", *TRAIN_OVERRIDES,
              *[o for o in FSDP_PHI3 if o not in ("actor.engine=fsdp", "model.path=models/tiny-phi3")],
-             "trainer.total_steps=5", "trainer.workers_per_node=1"], timeout=120)
+             f"trainer.total_steps={FSDP_STEPS + 1}", "trainer.workers_per_node=1"], timeout=120)
     assert r.returncode == 2 and "actor.engine: 'fsdp' in the checkpoint, 'megatron' now" in r.stderr, r.stderr
     assert sorted(p.name for p in (one / "checkpoints").iterdir()) == before

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from hpcrl.config.derived import engine_roles, is_split, role_parallel
+from hpcrl.config.derived import engine_roles, role_parallel
 
 # transformers' attention implementations (AttentionInterface's names and eager); a hub kernel is "org/repo"
 ATTENTION = ("eager", "sdpa", "flash_attention_2", "flash_attention_3", "flash_attention_4", "flex_attention")
@@ -53,8 +53,4 @@ def engine_problems(cfg: DictConfig) -> list[str]:
         if cfg.rollout.routing_replay:
             problems.append("rollout.routing_replay=true: the FSDP engine routes its MoE layers itself (no "
                             "replay). Set actor.engine=megatron for routing replay.")
-        if is_split(cfg):
-            problems.append("trainer.placement=split: the split placement's weight transfer reads the Megatron "
-                            "layout; the FSDP engine runs colocated. Set trainer.placement=colocated, or "
-                            "actor.engine=megatron.")
     return problems

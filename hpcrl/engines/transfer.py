@@ -24,6 +24,9 @@ the weights.
   of the whole shape (allocated, never sent) just before vLLM reads it.
 - With LoRA the shard merges each adapted weight when it is read (`MergedShard`), as in the
   colocated reshard.
+- The FSDP engine (actor.engine=fsdp): every trainer rank all-gathers each bucket's full tensors
+  (hpcrl.engines.fsdp.weights.fsdp_buckets, HF names already, LoRA merged), and rank 0 sends them on
+  as above.
 - GPU: the buffers stay on the devices (NCCL). Not run here: no machine of this project's CI has a
   GPU; CI runs the same code with gloo and CPU tensors.
 """
@@ -84,20 +87,40 @@ def _cut(t: torch.Tensor, cut: tuple[int, int, int] | None) -> torch.Tensor:
     return t if cut is None else t.narrow(*cut)
 
 
-def send_to_rollout(engine: MegatronEngine, bridge: Any, tp_bridges: list[Any], bucket_bytes: int = 64 << 20,
+def send_to_rollout(engine: Any, bridge: Any, tp_bridges: list[Any], bucket_bytes: int = 64 << 20,
                     pools: Any = None) -> ReshardStats:
     """Send the trainer's current weights to the rollout ranks (collective over the trainer's
     world; trainer rank 0 is also the root of the bridge broadcasts). tp_bridges[r]: trainer rank 0
     and the rollout ranks of TP rank r (on trainer rank 0; its length is the rollout TP). `pools`
-    (trainer rank 0): a hpcrl.pools.weights.PoolSender that gets every bucket too."""
+    (trainer rank 0): a hpcrl.pools.weights.PoolSender that gets every bucket too. `engine`: the
+    Megatron engine, or the FSDP engine (hpcrl.engines.fsdp), whose ranks all-gather each bucket's
+    full tensors (fsdp_buckets) for rank 0 to send."""
     stats = ReshardStats(bucket_bytes=bucket_bytes)
     dist.barrier()
     t0 = time.perf_counter()
+    live = _Live()
+    fsdp = getattr(engine, "kind", "megatron") == "fsdp"
+    buckets = _fsdp_buckets(engine, bucket_bytes, stats, live) if fsdp else \
+        _megatron_buckets(engine, bucket_bytes, stats, live)
+    device = engine.device if fsdp else next(engine.model.parameters()).device
+    for hf in buckets:  # rank 0 only: the other ranks run their collectives inside the iterator
+        _broadcast(hf, engine.arch, device, bridge, tp_bridges, pools, stats, live)
+    if dist.get_rank() == 0:
+        bridge.bcast(None, root=0)  # the end of the stream
+    dist.barrier()
+    stats.seconds = time.perf_counter() - t0
+    stats.peak_extra_bytes = live.peak
+    return stats
+
+
+def _megatron_buckets(engine: MegatronEngine, bucket_bytes: int, stats: ReshardStats, live: _Live
+                      ) -> Iterator[dict[str, torch.Tensor]]:
+    """Each bucket's HF tensors on trainer rank 0 (converted from the TP parts of DP replica 0, which
+    their owners send it); nothing on the other ranks, which send their parts."""
     buckets = plan_buckets(engine, bucket_bytes)
     own = engine.megatron_shard()  # with LoRA: merges each adapted weight when read
     rank = dist.get_rank()
     device = next(engine.model.parameters()).device
-    live = _Live()
     for b in buckets:
         stats.model_bytes += b.bytes_per_tp_rank * engine.tp_size
         stats.largest_bucket_bytes = max(stats.largest_bucket_bytes, b.bytes_per_tp_rank * engine.tp_size)
@@ -122,42 +145,53 @@ def send_to_rollout(engine: MegatronEngine, bridge: Any, tp_bridges: list[Any], 
                     for i, v in zip(idx, flat.split(sizes), strict=True):
                         part[b.names[i]] = v.view(b.shapes[i])
                 parts.append({k: part[k] for k in b.names})
-        if rank != 0:
-            continue
-        hf = megatron_to_hf_partial(engine.arch, parts, b.stage, engine.pp_size, engine.spec)
+        if rank == 0:
+            yield megatron_to_hf_partial(engine.arch, parts, b.stage, engine.pp_size, engine.spec)
         del parts
-        # tied embeddings: vLLM on CPU keeps its own output layer, which the receiver fills from the
-        # embedding it got (sent once)
-        aliases = ([("lm_head.weight", "model.embed_tokens.weight")]
-                   if "model.embed_tokens.weight" in hf and engine.arch.tie_word_embeddings else [])
-        by_dtype: dict[torch.dtype, list[str]] = {}
-        for name, t in hf.items():
-            by_dtype.setdefault(t.dtype, []).append(name)
-        rollout_tp = len(tp_bridges)
-        cuts = {n: [vllm_tp_slice(n, tuple(t.shape), engine.arch, r, rollout_tp) for r in range(rollout_tp)]
-                for n, t in hf.items()}
-        groups = [(str(dtype).removeprefix("torch."), [(n, tuple(hf[n].shape), cuts[n]) for n in names])
-                  for dtype, names in sorted(by_dtype.items(), key=lambda kv: str(kv[0]))]
-        bridge.bcast({"groups": groups, "aliases": aliases}, root=0)
-        for _, names in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
-            for r, tp_bridge in enumerate(tp_bridges):
-                flat = torch.cat([_cut(hf[n].detach(), cuts[n][r]).reshape(-1) for n in names])
-                live.add(flat.numel() * flat.element_size())
-                tp_bridge.broadcast(flat.view(torch.uint8), 0).wait()  # bytes: any dtype, any backend
-                stats.bytes_sent_as_root += flat.numel() * flat.element_size()
-                live.drop(flat.numel() * flat.element_size())
-                del flat
-        if pools is not None:
-            pools.send_bucket(hf, aliases)
-        stats.buckets += 1
-        stats.tensors_pushed += len(hf) + len(aliases)
-        live.drop(live.now)
-    if rank == 0:
-        bridge.bcast(None, root=0)  # the end of the stream
-    dist.barrier()
-    stats.seconds = time.perf_counter() - t0
-    stats.peak_extra_bytes = live.peak
-    return stats
+
+
+def _fsdp_buckets(engine: Any, bucket_bytes: int, stats: ReshardStats, live: _Live
+                  ) -> Iterator[dict[str, torch.Tensor]]:
+    """Each bucket's full HF tensors on trainer rank 0 (every rank gathers them: FSDP's all-gathers)."""
+    from hpcrl.engines.fsdp.weights import fsdp_buckets
+
+    for hf in fsdp_buckets(engine, bucket_bytes, stats):
+        if dist.get_rank() == 0:
+            live.add(sum(t.numel() * t.element_size() for t in hf.values()))
+            yield hf
+
+
+def _broadcast(hf: dict[str, torch.Tensor], arch: Any, device: torch.device, bridge: Any, tp_bridges: list[Any],
+               pools: Any, stats: ReshardStats, live: _Live) -> None:
+    """One bucket of HF tensors from trainer rank 0 to the rollout ranks: its header over the MPI
+    bridge, then per dtype and rollout TP rank r the part rank r's engine reads, as one flat buffer on
+    the trainer's device, over the bridge of TP rank r; and to the rollout pools."""
+    # tied embeddings: vLLM on CPU keeps its own output layer, which the receiver fills from the
+    # embedding it got (sent once)
+    aliases = ([("lm_head.weight", "model.embed_tokens.weight")]
+               if "model.embed_tokens.weight" in hf and arch.tie_word_embeddings else [])
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for name, t in hf.items():
+        by_dtype.setdefault(t.dtype, []).append(name)
+    rollout_tp = len(tp_bridges)
+    cuts = {n: [vllm_tp_slice(n, tuple(t.shape), arch, r, rollout_tp) for r in range(rollout_tp)]
+            for n, t in hf.items()}
+    groups = [(str(dtype).removeprefix("torch."), [(n, tuple(hf[n].shape), cuts[n]) for n in names])
+              for dtype, names in sorted(by_dtype.items(), key=lambda kv: str(kv[0]))]
+    bridge.bcast({"groups": groups, "aliases": aliases}, root=0)
+    for _, names in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
+        for r, tp_bridge in enumerate(tp_bridges):
+            flat = torch.cat([_cut(hf[n].detach(), cuts[n][r]).reshape(-1) for n in names]).to(device)
+            live.add(flat.numel() * flat.element_size())
+            tp_bridge.broadcast(flat.view(torch.uint8), 0).wait()  # bytes: any dtype, any backend
+            stats.bytes_sent_as_root += flat.numel() * flat.element_size()
+            live.drop(flat.numel() * flat.element_size())
+            del flat
+    if pools is not None:
+        pools.send_bucket(hf, aliases)
+    stats.buckets += 1
+    stats.tensors_pushed += len(hf) + len(aliases)
+    live.drop(live.now)
 
 
 def receive_from_trainer(rollout: Any, bridge: Any, tp_bridge: Any) -> ReshardStats:

@@ -329,7 +329,12 @@ def _stage_estimate(run: _Run, stage: int, engines: bool = True) -> tuple[list[P
         if stage == 0:
             transfer = Phase("transfer")
             resident(transfer)
-            transfer.add("transfer bucket: TP parts, HF copy, send buffer", 3 * run.bucket)
+            if isinstance(actor, fsdp.FsdpRole):  # every rank gathers each bucket; rank 0 sends a flat copy
+                actor.add_reshard(transfer, int(cfg.rollout.weight_bucket_mb))
+                transfer.add("transfer send buffer (one bucket, flat)",
+                             actor.reshard_bucket(int(cfg.rollout.weight_bucket_mb)))
+            else:
+                transfer.add("transfer bucket: TP parts, HF copy, send buffer", 3 * run.bucket)
             transfer.add(runtime_label, runtime_bytes)
             phases.append(transfer)
 

@@ -103,9 +103,8 @@ def _build_engine(plain: dict[str, Any]) -> Any:
     import torch
     import torch.distributed as dist
 
-    from hpcrl.engines.megatron.model import read_arch
     from hpcrl.launch.rendezvous import default_backend
-    from hpcrl.workers.actor_rollout import build_rollout_engine
+    from hpcrl.workers.actor_rollout import build_rollout_engine, read_rollout_arch
     from hpcrl.workers.role_engines import resolve_dtype
 
     backend = default_backend()
@@ -117,7 +116,7 @@ def _build_engine(plain: dict[str, Any]) -> Any:
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=600))
     path = plain["model"]["path"]
-    return build_rollout_engine(plain, path, read_arch(path), resolve_dtype(plain["model"]["dtype"]))
+    return build_rollout_engine(plain, path, read_rollout_arch(plain, path), resolve_dtype(plain["model"]["dtype"]))
 
 
 def _free_port() -> int:

@@ -59,6 +59,19 @@ def cpu_kv_cache_gib_needed(arch: Any, cfg: dict[str, Any], dtype_bytes: int) ->
     return max(1.25 * tokens * per_token / (1 << 30), 1 / 16)
 
 
+def read_rollout_arch(cfg: dict[str, Any], model_path: str) -> Any:
+    """The model's shape for a rollout engine of its own (split placement, rollout pools): the HF
+    config's with the FSDP engine (any family transformers builds), else Megatron's reader (which
+    refuses a family it does not convert)."""
+    if (cfg.get("actor") or {}).get("engine") == "fsdp":
+        from hpcrl.engines.fsdp.engine import read_hf_arch
+
+        return read_hf_arch(model_path)
+    from hpcrl.engines.megatron.model import read_arch
+
+    return read_arch(model_path)
+
+
 def build_rollout_engine(cfg: dict[str, Any], model_path: str, arch: Any, dtype: torch.dtype) -> RolloutEngine:
     """This worker's vLLM engine for a resolved config (rollout section; KV cache sized by
     `cpu_kv_cache_gib_needed` unless rollout.cpu_kv_cache_gib is set)."""

@@ -2,7 +2,8 @@
 
     MPI rank 0          the controller
     workers 0..T-1      trainer side: actor (SplitActorRole), reference, critic, reward model;
-                        torch.distributed world of T ranks (Megatron's TP x PP x DP)
+                        torch.distributed world of T ranks (Megatron's TP x PP x DP, or the FSDP
+                        engine's DP)
     workers T..T+R-1    rollout side: one vLLM engine each (RolloutRole); torch.distributed world
                         of R ranks (rollout TP groups of consecutive ranks, the rest rollout DP)
 
@@ -23,7 +24,7 @@ import torch
 
 from hpcrl.controller import Collect, Dispatch, Worker, register
 from hpcrl.engines.transfer import receive_from_trainer, send_to_rollout
-from hpcrl.workers.actor_rollout import RolloutMethods, build_rollout_engine
+from hpcrl.workers.actor_rollout import RolloutMethods, build_rollout_engine, read_rollout_arch
 from hpcrl.workers.megatron_roles import MegatronRole
 from hpcrl.workers.memory import peak_memory
 from hpcrl.workers.role_engines import resolve_dtype
@@ -76,7 +77,8 @@ class SideWorld(Worker):
 
 
 class SplitActorRole(MegatronRole):
-    """The Megatron actor of the split placement: it trains, and sends its weights to the engines."""
+    """The actor of the split placement (either engine, actor.engine): it trains, and sends its weights
+    to the engines."""
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.RANK0)
     def send_weights(self, bucket_mb: float | None = None, pools: list[dict[str, Any]] | None = None,
@@ -102,11 +104,9 @@ class RolloutRole(RolloutMethods, Worker):
     and KV cache between steps: nobody else uses its device."""
 
     def __init__(self, cfg: dict[str, Any]):
-        from hpcrl.engines.megatron.model import read_arch
-
         path = cfg["model"]["path"]
         dtype: torch.dtype = resolve_dtype(cfg["model"]["dtype"])
-        self.rollout = build_rollout_engine(cfg, path, read_arch(path), dtype)
+        self.rollout = build_rollout_engine(cfg, path, read_rollout_arch(cfg, path), dtype)
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.ALL)
     def receive_weights(self) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Weights from the FSDP engine into the colocated vLLM engines.
+"""Weights from the FSDP engine into the vLLM engines: colocated (`stream_fsdp_weights`), or through
+trainer rank 0 to the split placement's rollout workers (`fsdp_buckets`, hpcrl.engines.transfer).
 
 vLLM's reload path takes full HF tensors and cuts its own tensor-parallel part, so every rank's engine
 needs every full tensor: each FSDP rank holds 1/DP of each one and all-gathers the rest, bucket by
@@ -18,9 +19,11 @@ from hpcrl.engines.fsdp.shards import local_shard
 from hpcrl.engines.reshard import bucket_tensors
 
 
-def stream_fsdp_weights(engine: Any, bucket_bytes: int, stats: Any) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF-named full tensors of the whole model (a collective: every rank of the engine's group consumes
-    the iterator to its end, in the same order); `stats` is a hpcrl.engines.reshard.ReshardStats."""
+def fsdp_buckets(engine: Any, bucket_bytes: int, stats: Any) -> Iterator[dict[str, torch.Tensor]]:
+    """The whole model's HF-named full tensors, one bucket (a dict, in host memory) at a time (a
+    collective: every rank of the engine's group consumes the iterator to its end, in the same order);
+    `stats` is a hpcrl.engines.reshard.ReshardStats. The split placement's transfer sends them on from
+    rank 0 (hpcrl.engines.transfer)."""
     named = list(engine.megatron_shard().items())
     dtype = engine.options.dtype
     stats.bucket_bytes = bucket_bytes
@@ -47,5 +50,12 @@ def stream_fsdp_weights(engine: Any, bucket_bytes: int, stats: Any) -> Iterator[
         live = sum(t.numel() * t.element_size() for t in hf.values())
         peak = max(peak, live)
         stats.largest_bucket_bytes = max(stats.largest_bucket_bytes, live)
-        yield from bucket_tensors(hf, stats, engine.arch.tie_word_embeddings)
+        yield hf
     stats.peak_extra_bytes = peak
+
+
+def stream_fsdp_weights(engine: Any, bucket_bytes: int, stats: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named full tensors of the whole model for the colocated vLLM engines (`fsdp_buckets`, tensor
+    by tensor; a collective)."""
+    for hf in fsdp_buckets(engine, bucket_bytes, stats):
+        yield from bucket_tensors(hf, stats, engine.arch.tie_word_embeddings)
