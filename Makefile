@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: setup models data test demo bench slurm-up slurm-down lint clean distclean
+.PHONY: setup models data test test-quick demo bench slurm-up slurm-down lint clean distclean
 
 setup:                ## .venv with the pinned CPU stack (idempotent, ~1 s when up to date)
 	@bash tools/setup_venv.sh
@@ -26,8 +26,13 @@ slurm-up:             ## local 4-node Slurm cluster (installs Debian packages wh
 slurm-down:           ## stop the local cluster's daemons (by pid file)
 	@bash tools/slurm_down.sh
 
-test: setup models data slurm-up   ## the whole suite, as CI runs it
+# the cluster's set-up (Debian packages, daemons) needs no venv: it runs beside the pip install
+test:                              ## the whole suite, as CI runs it
+	@$(MAKE) --no-print-directory -j3 setup models data slurm-up
 	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+test-quick: setup models data      ## the inner loop: every test that starts no world, `hpcrl run` or Slurm job
+	HPCRL_TEST_QUICK=1 $(PY) -m pytest tests -m "not world" $(PYTEST_ARGS)
 
 demo: setup models data            ## GRPO demo on SmolLM2-135M-Instruct (see README)
 	@bash tools/demo.sh $(ARGS)

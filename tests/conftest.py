@@ -49,7 +49,16 @@ def cuda_available() -> bool:
         return False
 
 
+# Fixtures that start a multi-rank world, an `hpcrl run` or Slurm jobs: a test that uses one is a `world`
+# test (what `make test-quick` leaves out), like the tests marked `world` or `slurm` themselves.
+WORLD_FIXTURES = {"checks", "killed_world", "scenarios", "grpo_reference", "one_step_off", "moe_ep2", "ppo",
+                  "bf16_run", "tools_run", "lora_run", "dpo_tiny", "jobs", "slurm_cluster"}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if "slurm" in item.keywords or WORLD_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.world)
     slurm_items = [i for i in items if "slurm" in i.keywords]
     problem = slurm_problem() if slurm_items else None
     if problem and not IN_CI:
@@ -69,9 +78,56 @@ def slurm_cluster() -> None:
         pytest.fail(f"local Slurm cluster unusable: {problem}")
 
 
+# `make test-quick` sets this: a test it runs may start no world, `hpcrl run` or Slurm job (`run` below
+# fails one that did, naming the marker it lacks), so the inner loop stays a few minutes
+QUICK = os.environ.get("HPCRL_TEST_QUICK") == "1"
+
+
+def started_a_world(cmd: list[str], returncode: int) -> bool:
+    """Whether a finished command started a multi-rank world or a Slurm job: mpiexec, sbatch or srun
+    (`sbatch --test-only` starts nothing), `hpcrl run|submit|pool` unless refused before anything
+    started (exit status 2, or `submit --dry-run`)."""
+    name = Path(str(cmd[0])).name if cmd else ""
+    args = [str(a) for a in cmd[1:]]
+    if name == "hpcrl":
+        return bool(args) and args[0] in ("run", "submit", "pool") and "--dry-run" not in args and returncode != 2
+    if name in ("sbatch", "srun"):
+        return "--test-only" not in args
+    return name.startswith("mpiexec")
+
+
 def run(cmd: list[str], timeout: float = 120, **kw) -> subprocess.CompletedProcess:
     """Run a command from the repo root, capturing text output."""
-    return subprocess.run(cmd, cwd=kw.pop("cwd", REPO), capture_output=True, text=True, timeout=timeout, **kw)
+    r = subprocess.run(cmd, cwd=kw.pop("cwd", REPO), capture_output=True, text=True, timeout=timeout, **kw)
+    if QUICK and started_a_world(cmd, r.returncode):
+        pytest.fail(f"`{' '.join(map(str, cmd[:3]))} ...` started a world or a Slurm job inside `make test-quick`: "
+                    "mark the test `@pytest.mark.world` (or give it a world fixture, conftest.WORLD_FIXTURES)")
+    return r
+
+
+def hpcrl_cli(*args: str) -> subprocess.CompletedProcess:
+    """`hpcrl ARGS` inside this process, from the repo root: hpcrl.cli.main with the command's own parser,
+    checks, output and exit status, without a new interpreter importing torch (~3 s of CPU a call,
+    ~4 s wall on the CI box). Only for `hpcrl ckpt` and `hpcrl plan`, which start nothing and change no
+    process state; the commands that start worlds or jobs, and those whose process is the point
+    (`hpcrl config`'s exit codes), go through `run`."""
+    import contextlib
+    import io
+
+    from hpcrl.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    cwd = os.getcwd()
+    os.chdir(REPO)  # relative model paths in a checkpoint's config resolve as they do for the command
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main(list(args))
+            except SystemExit as e:  # argparse's usage errors
+                code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    finally:
+        os.chdir(cwd)
+    return subprocess.CompletedProcess([HPCRL, *args], code, out.getvalue(), err.getvalue())
 
 
 # The tiny GRPO run that tests share: tests/test_train.py checks that it learns, tests/test_resume.py
@@ -141,3 +197,22 @@ def hf_token_logprobs(model_dir: Path, batch: dict, temperature: float):
             lp = torch.log_softmax(hf(ids[None]).logits[0].float() / temperature, -1)
             out[i, 1:int(n)] = lp[:-1].gather(-1, ids[1:, None])[:, 0]
     return out
+
+
+# The tiny Qwen3-MoE at expert parallel 2 (configs/grpo_tiny_moe.yaml at TP=1, DP=4: each rank 4 of the 8
+# experts; vLLM's fused-MoE engines at rollout TP 2), without the load-balancing loss: megatron's is a
+# micro-batch's, so another DP size gives another term (tests/programs/moe_checks.py checks it at one)
+MOE_EP2 = ["rollout.tensor_parallel=2", "actor.parallel.tensor_parallel=1", "actor.parallel.sequence_parallel=false",
+           "actor.parallel.expert_parallel=2", "actor.moe.aux_loss_coeff=0"]
+
+
+@pytest.fixture(scope="session")
+def moe_ep2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    """The uninterrupted MoE run at EP=2: 3 steps, saved at step 2 (the config's save_every) and at the
+    end. tests/test_train.py checks it and resumes copies of its step-2 checkpoint at EP=2 and at TP=2;
+    tests/test_submit.py resumes a copy as a Slurm job on a node range (one world for all three)."""
+    d = tmp_path_factory.mktemp("moe-ep2") / "run"
+    r = run([HPCRL, "run", "configs/grpo_tiny_moe.yaml", f"trainer.run_dir={d}", *MOE_EP2, "trainer.total_steps=3"],
+            timeout=900)
+    assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}"
+    return d, read_jsonl(d / "metrics.jsonl")

@@ -270,6 +270,7 @@ def test_exit_order_plan() -> None:
 
 
 # ---------------------------------------------------------------- failures
+@pytest.mark.world
 def test_sigkill_worker_fails_controller_within_bound(tmp_path: Path) -> None:
     out = tmp_path / "kill_worker.json"
     res = _run_world(tmp_path, "ctrl_kill.py", [str(out), "worker"],
@@ -284,6 +285,7 @@ def test_sigkill_worker_fails_controller_within_bound(tmp_path: Path) -> None:
     _assert_all_gone([data["controller_pid"], *(w["pid"] for w in data["workers"])], str(out))
 
 
+@pytest.mark.world
 def test_sigkill_controller_makes_workers_exit(tmp_path: Path) -> None:
     out = tmp_path / "kill_controller.json"
     t0 = time.time()
@@ -297,6 +299,7 @@ def test_sigkill_controller_makes_workers_exit(tmp_path: Path) -> None:
     _assert_all_gone([w["pid"] for w in data["workers"]], str(out))
 
 
+@pytest.mark.world
 def test_cxx_death_in_a_collective_is_named_first(tmp_path: Path) -> None:
     """Rank 3 throws a C++ exception nothing catches (std::terminate, SIGABRT) while ranks 1, 2, 4
     wait for it in a gloo all_reduce. The peers' `Connection closed by peer` errors reach the
@@ -430,6 +433,7 @@ def test_slurm_world_starts_with_a_dirty_heap(tmp_path: Path) -> None:
     assert world["size"] == 5 and len(set(world["nodes"])) == 3 and world["netmod"] == "ofi", world
 
 
+@pytest.mark.world
 def test_a_world_that_cannot_start_ends_within_the_init_bound(tmp_path: Path) -> None:
     """Rank 1 never starts MPI: without HPCRL_MPI_INIT_TIMEOUT rank 0 spins in MPI_Init for good
     (measured: still spinning after 10 min); with it, the kernel ends rank 0 and the world fails."""

@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
-from conftest import HPCRL, PYTHON, REPO, TINY_MODEL, read_jsonl, run
+from conftest import HPCRL, PYTHON, REPO, TINY_MODEL, hpcrl_cli, read_jsonl, run
 
 from hpcrl.algos.dpo import dpo_loss, dpo_metrics, dpo_pair_stats
 from hpcrl.config import ConfigError, load_config
@@ -351,7 +351,7 @@ def test_step_records_checkpoints_and_log_are_those_of_a_run(dpo_tiny: tuple[Pat
     assert "val/rewards/accuracies" in steps[0] and "val/loss" in steps[5] and "val/loss" not in steps[1]
     ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
     assert ckpts == ["step_00000008", "step_00000010"]
-    assert run([HPCRL, "ckpt", "verify", str(run_dir)]).returncode == 0
+    assert hpcrl_cli("ckpt", "verify", str(run_dir)).returncode == 0
     log = (run_dir / "logs" / "controller.log").read_text()
     assert log.count(f"step {RUN_STEPS}/{RUN_STEPS} | loss ") == 1 and " | acc " in log and " | margin " in log
 

@@ -11,7 +11,7 @@ import re
 import struct
 
 import pytest
-from conftest import HPCRL, IN_CI, REPO, SMOLLM2, TINY_MODEL, run
+from conftest import IN_CI, REPO, SMOLLM2, TINY_MODEL, hpcrl_cli
 
 from hpcrl.config import load_config, validate
 from hpcrl.plan import (
@@ -243,8 +243,8 @@ def test_lora_plans_adapter_optimizer_state_and_no_reference_copy() -> None:
 
 def _plan(*options: str, overrides: tuple[str, ...] = ()):
     """`hpcrl plan` of the 70B recipe with the Llama-3-70B shape (overrides follow the config)."""
-    return run([HPCRL, "plan", PPO_70B, *overrides, "--skip-path-checks", "--model-config", str(LLAMA3_70B),
-                *options])
+    return hpcrl_cli("plan", PPO_70B, *overrides, "--skip-path-checks", "--model-config", str(LLAMA3_70B),
+                     *options)
 
 
 def test_cli_70b_fits_on_32_nodes_and_not_on_4() -> None:
@@ -293,7 +293,7 @@ def test_cli_refuses_a_bad_gpu_mem(bad: str) -> None:
 
 
 def test_cli_missing_model_config_says_to_pass_model_config() -> None:
-    r = run([HPCRL, "plan", PPO_70B, "--skip-path-checks"])  # /models/... is not on this machine
+    r = hpcrl_cli("plan", PPO_70B, "--skip-path-checks")  # /models/... is not on this machine
     assert r.returncode == 0 and "MPI world of 257" in r.stdout  # the layouts are still planned
     assert "no memory plan" in r.stderr and "pass --model-config PATH" in r.stderr
     r = _plan("--model-config", "/nonexistent/config.json")
@@ -306,19 +306,19 @@ def test_cli_compare_with_a_run(tmp_path) -> None:
     with open(tmp_path / "metrics.jsonl", "w") as f:
         for step, gb in enumerate([4.6, 4.3, 4.4, 4.35, 4.4], start=1):
             f.write(json.dumps({"step": step, "memory/rss_gb_max": gb}) + "\n")
-    r = run([HPCRL, "plan", "configs/grpo_smollm2.yaml", "--compare", str(tmp_path)])
+    r = hpcrl_cli("plan", "configs/grpo_smollm2.yaml", "--compare", str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     assert "measured vs estimated (memory/rss_gb_max" in r.stdout
     assert "step    2: measured 4.30 GB" in r.stdout and "median measured / estimated over steps >= 2" in r.stdout
     empty = tmp_path / "empty"
     empty.mkdir()
-    r = run([HPCRL, "plan", "configs/grpo_smollm2.yaml", "--compare", str(empty)])
+    r = hpcrl_cli("plan", "configs/grpo_smollm2.yaml", "--compare", str(empty))
     assert r.returncode == 1 and "no step with memory/rss_gb_max" in r.stderr
 
 
 def test_dpo_plans_no_rollout_engine() -> None:
     """DPO (hpcrl.trainer.dpo) builds no vLLM engine: no rollout or reshard phase, no KV cache line."""
-    r = run([HPCRL, "plan", "configs/dpo_tiny.yaml"])
+    r = hpcrl_cli("plan", "configs/dpo_tiny.yaml")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "algorithm   dpo (sigmoid loss" in r.stdout and "vLLM weights" not in r.stdout
     assert "KV cache" not in r.stdout and "reshard" not in r.stdout
@@ -388,7 +388,7 @@ def test_split_kv_cache_is_sized_for_the_rollout_workers_only() -> None:
 
 def test_cli_split_prints_both_kinds_and_compares_each_with_its_ranks(tmp_path) -> None:
     split = ["trainer.placement=split", "trainer.rollout_workers=2"]
-    r = run([HPCRL, "plan", TINY, *split])
+    r = hpcrl_cli("plan", TINY, *split)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "placement   split: workers 1-2 train, workers 3-4 run the vLLM engines" in r.stdout
     trainer_part, rollout_part = r.stdout.split("trainer workers: workers 1-2")[1].split("rollout workers: workers 3-4")
@@ -399,7 +399,7 @@ def test_cli_split_prints_both_kinds_and_compares_each_with_its_ranks(tmp_path) 
             ranks = {1: 0.5, 2: 0.6, 3: 0.9, 4: 0.7}
             f.write(json.dumps({"step": step, "memory/rss_gb_max": 0.9,
                                 **{f"memory/rank{k}/rss_gb": v for k, v in ranks.items()}}) + "\n")
-    r = run([HPCRL, "plan", TINY, *split, "--compare", str(tmp_path)])
+    r = hpcrl_cli("plan", TINY, *split, "--compare", str(tmp_path))
     assert r.returncode == 0, r.stdout + r.stderr
     trainer_cmp, rollout_cmp = r.stdout.split("measured vs estimated")[1:]
     assert "trainer workers: workers 1-2" in trainer_cmp and "step    2: measured 0.60 GB" in trainer_cmp
@@ -916,7 +916,7 @@ def test_fsdp_cpu_offload_moves_the_shards_to_pinned_host_memory() -> None:
 def test_cli_fsdp_plan_prints_the_fsdp_rows(tmp_path) -> None:
     _smollm2_shape()
     # a run directory of its own: the recipe's may hold a demo's checkpoints, which another engine cannot resume
-    r = run([HPCRL, "plan", SMOLLM2_RECIPE, "actor.engine=fsdp", f"trainer.run_dir={tmp_path}"])
+    r = hpcrl_cli("plan", SMOLLM2_RECIPE, "actor.engine=fsdp", f"trainer.run_dir={tmp_path}")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "precision   FSDP (actor): fp32 weight shards over the 2 DP ranks, which are the masters" in r.stdout
     assert "micro-batches of up to 512 tokens (actor: laid out as for Megatron, packed or padded rows" in r.stdout
@@ -925,7 +925,7 @@ def test_cli_fsdp_plan_prints_the_fsdp_rows(tmp_path) -> None:
         assert row in r.stdout, row
     assert "masters and moments cut over" not in r.stdout and "master weights" not in r.stdout
     # the Megatron plan of the same recipe has none of it
-    r = run([HPCRL, "plan", SMOLLM2_RECIPE, "actor.engine=megatron", f"trainer.run_dir={tmp_path}"])
+    r = hpcrl_cli("plan", SMOLLM2_RECIPE, "actor.engine=megatron", f"trainer.run_dir={tmp_path}")
     assert r.returncode == 0 and "FSDP" not in r.stdout
 
 

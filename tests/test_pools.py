@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FULLY_ASYNC, HPCRL, REPO, TRAIN_OVERRIDES, hf_token_logprobs, read_jsonl, run
+from conftest import FULLY_ASYNC, HPCRL, REPO, TRAIN_OVERRIDES, hf_token_logprobs, hpcrl_cli, read_jsonl, run
 from omegaconf import OmegaConf
 
 from hpcrl.pools.wire import MAX_FRAME_BYTES, Channel, fingerprint_differences
@@ -142,7 +142,7 @@ def test_pool_job_joins_gets_weights_leaves_mid_step_and_every_prompt_trains_onc
     worst, checked = {}, 0
     for v, seqs in sorted(held.items()):
         model = tmp_path / f"v{v}"
-        r = run([HPCRL, "ckpt", "export-hf", str(d), "--step", str(v), "--out", str(model)])
+        r = hpcrl_cli("ckpt", "export-hf", str(d), "--step", str(v), "--out", str(model))
         assert r.returncode == 0, r.stderr[-3000:]
         order = list(seqs)
         width = max(map(len, order))

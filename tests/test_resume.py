@@ -35,6 +35,7 @@ from conftest import (
     SPLIT_OVERRIDES,
     TRAIN_OVERRIDES,
     TRAIN_STEPS,
+    hpcrl_cli,
     hpcrl_run,
     read_jsonl,
     run,
@@ -281,6 +282,7 @@ def kill_world_at_fault(args: list[str], run_dir: Path, fault: str, err: Path) -
     return world
 
 
+@pytest.mark.world
 def test_world_killed_in_a_save_resumes_at_the_epoch_boundary_like_an_uninterrupted_run(tmp_path: Path) -> None:
     """16 prompts, 8 per step: an epoch is 2 steps; saves every 2 steps, 5 steps in all. kill -9 of the
     whole MPI world (controller and workers) in the save of step 4: the half-written step 4 is never
@@ -314,7 +316,7 @@ def hf_weights(run_dir: Path, step: int, out: Path) -> dict:
     """The actor of a run's checkpoint `step` as HF tensors (`hpcrl ckpt export-hf`: any layout)."""
     from safetensors.torch import load_file
 
-    r = run([HPCRL, "ckpt", "export-hf", str(run_dir), "--step", str(step), "--out", str(out)], timeout=300)
+    r = hpcrl_cli("ckpt", "export-hf", str(run_dir), "--step", str(step), "--out", str(out))
     assert r.returncode == 0, f"{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
     return {k: v for f in sorted(out.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 from conftest import PYTHON, REPO, run
 
 
@@ -25,6 +26,7 @@ def test_cuda_only_packages_are_removed() -> None:
     assert r.stdout.strip() == "[]", r.stdout
 
 
+@pytest.mark.world
 def test_pip_mpich_runs_a_real_multi_rank_world() -> None:
     mpiexec = Path(PYTHON).with_name("mpiexec")
     # rank 0 prints for everyone: lines printed by several ranks may interleave

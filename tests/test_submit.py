@@ -192,27 +192,22 @@ def test_signals_reach_the_controller_and_cancel(tmp_path: Path, env_registry: d
 
 
 @pytest.mark.slurm
-def test_submit_moe_runs_two_steps_then_resumes_on_a_node_range(jobs: dict, tmp_path: Path,
-                                                                 env_registry: dict[str, str]) -> None:
-    """hpcrl submit configs/grpo_tiny_moe.yaml (tiny Qwen3-MoE, TP=2 SP, routing replay) on one node of
-    the local cluster, after the jobs above: 2 steps, the fp32 rollout-vs-actor gap after each sync;
-    then `hpcrl submit --nodes 1-2` of the same run directory resumes it on what Slurm grants."""
-    run_dir = tmp_path / "moe"
-    r = run([HPCRL, "submit", "--nodes", "1", "--json", "configs/grpo_tiny_moe.yaml", "trainer.total_steps=2",
-             "trainer.val_every=0", f"trainer.run_dir={run_dir}"], timeout=300, env=env_registry)
-    assert r.returncode == 0, r.stderr + r.stdout
-    sub = json.loads(r.stdout)
-    try:
-        _wait_done(sub["job_id"], time.monotonic() + JOB_DEADLINE_S)
-    finally:
-        run(["scancel", sub["job_id"]], timeout=60)
-    logs = _tail(Path(sub["stdout"])) + _tail(Path(sub["stderr"]))
-    assert set(_sacct_components(sub["job_id"]).values()) == {"COMPLETED"}, logs
-    assert _steps(run_dir) == [1, 2], logs
-    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert all(m["rollout_actor_logprob_gap_max"] < 1e-4 and m["actor/moe/replayed_share"] > 0.9 for m in steps), steps
-    # the same run directory submitted again on whatever Slurm grants of 1-2 nodes x 2 workers (the first
-    # job had 1 x 4): it resumes from step 2 and trains step 3 with the DP the allocation gives
+def test_submit_moe_runs_two_steps_then_resumes_on_a_node_range(jobs: dict, moe_ep2: tuple[Path, list[dict]],
+                                                                 tmp_path: Path, env_registry: dict[str, str]) -> None:
+    """hpcrl submit configs/grpo_tiny_moe.yaml (tiny Qwen3-MoE, TP=2 SP, routing replay) after the jobs above:
+    a copy of the session's MoE run (conftest.moe_ep2: its first 2 steps, trained locally at EP=2 on 4 workers,
+    with the fp32 rollout-vs-actor gap after each sync) submitted with `hpcrl submit --nodes 1-2` resumes from
+    its step-2 checkpoint on what Slurm grants and trains step 3 at the config's layout with routing replay.
+    One Slurm job: the 2 steps before it are the fixture's (a job of its own for them cost ~100 s)."""
+    from test_resume import resumable_copy
+
+    src, src_steps = moe_ep2
+    run_dir = resumable_copy(src, tmp_path / "moe", 2)
+    assert [m["step"] for m in src_steps[:2]] == [1, 2]
+    assert all(m["rollout_actor_logprob_gap_max"] < 1e-4 and m["actor/moe/replayed_share"] > 0.9
+               for m in src_steps[:2]), src_steps
+    # the run directory submitted on whatever Slurm grants of 1-2 nodes x 2 workers (the fixture had 1 x 4):
+    # it resumes from step 2 and trains step 3 with the DP the allocation gives
     r = run([HPCRL, "submit", "--nodes", "1-2", "--json", "configs/grpo_tiny_moe.yaml", "trainer.total_steps=3",
              "trainer.val_every=0", "trainer.workers_per_node=2", f"trainer.run_dir={run_dir}"], timeout=300,
             env=env_registry)
@@ -231,7 +226,7 @@ def test_submit_moe_runs_two_steps_then_resumes_on_a_node_range(jobs: dict, tmp_
     log = (run_dir / "logs" / "controller.log").read_text()
     assert "resumed from" in log and f"actor TP=2 PP=1 DP={granted.group(2)} SP" in log, log[-3000:]
     last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
-    assert last["rollout_actor_logprob_gap_max"] < 1e-4, last
+    assert last["rollout_actor_logprob_gap_max"] < 1e-4 and last["actor/moe/replayed_share"] > 0.9, last
 
 
 @pytest.mark.slurm

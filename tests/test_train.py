@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FULLY_ASYNC, HPCRL, REPO, TRAIN_STEPS, hf_token_logprobs, hpcrl_run, read_jsonl, run
+from conftest import FULLY_ASYNC, HPCRL, REPO, TRAIN_STEPS, hf_token_logprobs, hpcrl_cli, hpcrl_run, read_jsonl, run
 
 # W&B offline gets a key in its environment it must never write anywhere (hpcrl.trainer.wandb_sink)
 FAKE_WANDB_KEY = "hpcrl-test-fake-wandb-key-8f3a91c2d7e4b605"
@@ -36,6 +36,7 @@ def mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
 
+@pytest.mark.world  # its fixture comes through request.getfixturevalue
 @pytest.mark.parametrize("algo", ["grpo_reference", "ppo"])
 def test_learns(algo: str, request: pytest.FixtureRequest) -> None:
     _, steps = request.getfixturevalue(algo)
@@ -46,6 +47,7 @@ def test_learns(algo: str, request: pytest.FixtureRequest) -> None:
     assert last > first + 0.08, rewards
 
 
+@pytest.mark.world  # its fixture comes through request.getfixturevalue
 @pytest.mark.parametrize("algo", ["grpo_reference", "ppo"])
 def test_step_record(algo: str, request: pytest.FixtureRequest) -> None:
     run_dir, steps = request.getfixturevalue(algo)
@@ -70,7 +72,7 @@ def test_step_record(algo: str, request: pytest.FixtureRequest) -> None:
     assert ckpts == (["step_00000009", "step_00000010"] if algo == "ppo" else ["step_00000008", "step_00000010"])
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == f"step_{TRAIN_STEPS:08d}"
     if algo == "ppo":
-        assert run([HPCRL, "ckpt", "verify", str(run_dir)]).returncode == 0  # sha256 of every file
+        assert hpcrl_cli("ckpt", "verify", str(run_dir)).returncode == 0  # sha256 of every file
     assert (run_dir / "logs" / "controller.log").read_text().count(f"step {TRAIN_STEPS}/{TRAIN_STEPS} |") == 1
 
 
@@ -103,7 +105,7 @@ def test_bf16_runs_complete_with_finite_changed_weights(bf16_run: tuple[Path, li
         assert BF16_GAP_FLOOR < m["rollout_actor_logprob_gap_mean"] < 0.01, m
         assert m["actor/grad_norm"] == m["actor/grad_norm"] and m["actor/grad_norm"] > 0  # finite, not 0
     out = run_dir / "export"
-    r = run([HPCRL, "ckpt", "export-hf", str(run_dir), "--out", str(out)])
+    r = hpcrl_cli("ckpt", "export-hf", str(run_dir), "--out", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     new = {k: v for f in out.glob("*.safetensors") for k, v in load_file(str(f)).items()}
     old = {k: v for f in TINY_MODEL.glob("*.safetensors") for k, v in load_file(str(f)).items()}
@@ -154,6 +156,7 @@ def test_multi_turn_run_with_a_tool(tools_run: tuple[Path, list[dict]]) -> None:
     assert "multi-turn rollout: 32 samples" in log and "tool calls failed (" in log
 
 
+@pytest.mark.world
 def test_grpo_with_the_code_execution_reward(tmp_path: Path) -> None:
     """GRPO on the tiny coding tasks of `make data` (data/code: stdin/stdout test cases in the ground
     truth) scored by the sandbox reward, 2 steps end to end. The random model writes no ```python
@@ -307,7 +310,6 @@ def lora_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list
     learning), on the scaled copy 0.48 -> 0.89. The KL loss uses k2: k3's exp(ref - logp) has an
     unbounded gradient where the policy leaves the base far behind, and after grad-norm clipping it
     crowded out the policy gradient (0.34 -> 0.47 with k3, 0.38 -> 0.84 with k2, coefficient 0.001)."""
-    import shutil
 
     from conftest import TINY_MODEL
     from safetensors.torch import load_file, save_file
@@ -355,7 +357,7 @@ def test_lora_checkpoint_holds_the_adapters_and_exports_for_peft(lora_run: tuple
     assert params and all(".lora_" in k for k in params), sorted(params)[:4]  # adapters only, no base weights
     adapters, full = tmp_path / "adapters", tmp_path / "merged"
     for out, extra in ((adapters, ["--lora"]), (full, [])):
-        r = run([HPCRL, "ckpt", "export-hf", str(run_dir), "--out", str(out), *extra])
+        r = hpcrl_cli("ckpt", "export-hf", str(run_dir), "--out", str(out), *extra)
         assert r.returncode == 0, r.stderr[-3000:]
     assert {p.name for p in adapters.iterdir()} == {"adapter_config.json", "adapter_model.safetensors"}
     # peft loads the adapters onto the base; merged, they are the merged export (the weights vLLM ran)
@@ -369,7 +371,7 @@ def test_lora_checkpoint_holds_the_adapters_and_exports_for_peft(lora_run: tuple
     assert max(float((exported[k] - peft_merged[k]).abs().max()) for k in exported) < 1e-6
     # a full-weight run's checkpoint has no adapters: --lora is refused with the reason, nothing written
     full_run, _ = request.getfixturevalue("grpo_reference")
-    r = run([HPCRL, "ckpt", "export-hf", str(full_run), "--out", str(tmp_path / "x"), "--lora"])
+    r = hpcrl_cli("ckpt", "export-hf", str(full_run), "--out", str(tmp_path / "x"), "--lora")
     assert r.returncode == 2 and "no LoRA adapters" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "x").exists()
 
@@ -401,7 +403,7 @@ def test_one_step_off_split_placement_learns(one_step_off: tuple[Path, list[dict
     # alone) is near what each kind measured: measured / planned 1.00 and 1.06 in a run alone, 1.23
     # and 1.27 inside a whole CI run from a fresh clone (docs/planner.md)
     assert all(f"memory/rank{r}/rss_gb" in steps[-1] for r in range(1, 5))
-    r = run([HPCRL, "plan", str(run_dir / "config.yaml"), "--compare", str(run_dir)])
+    r = hpcrl_cli("plan", str(run_dir / "config.yaml"), "--compare", str(run_dir))
     ratios = [float(x) for x in re.findall(r"median measured / estimated over steps >= 2: ([0-9.]+)", r.stdout)]
     assert r.returncode == 0 and len(ratios) == 2 and all(0.9 <= x <= 1.4 for x in ratios), r.stdout + r.stderr
     log = (run_dir / "logs" / "controller.log").read_text()
@@ -426,7 +428,7 @@ def test_one_step_off_batches_come_from_the_previous_weights(one_step_off: tuple
     gaps = {}
     for step in (8, 9):
         out = tmp_path / f"step{step}"
-        r = run([HPCRL, "ckpt", "export-hf", str(run_dir), "--step", str(step), "--out", str(out)])
+        r = hpcrl_cli("ckpt", "export-hf", str(run_dir), "--step", str(step), "--out", str(out))
         assert r.returncode == 0, r.stderr[-3000:]
         lp = hf_token_logprobs(out, batch, temperature)
         gaps[step] = (lp - batch["rollout_logprob"]).abs()[batch["response_mask"].bool()]
@@ -487,7 +489,7 @@ def test_fully_async_samples_span_versions_with_each_tokens_own_log_probs(
         model = REPO / "models" / "tiny-qwen2"
         if v:
             model = tmp_path / f"v{v}"
-            r = run([HPCRL, "ckpt", "export-hf", str(d), "--step", str(v), "--out", str(model)])
+            r = hpcrl_cli("ckpt", "export-hf", str(d), "--step", str(v), "--out", str(model))
             assert r.returncode == 0, r.stderr[-3000:]
         seqs = list({tuple(ids) for ids, _, _ in tokens})
         width = max(map(len, seqs))
@@ -500,12 +502,15 @@ def test_fully_async_samples_span_versions_with_each_tokens_own_log_probs(
     assert max(worst.values()) < 1e-4, worst
 
 
+@pytest.mark.world
 def test_long_sequence_config_runs_two_steps(tmp_path: Path) -> None:
     """configs/grpo_long_tiny.yaml end to end: samples of 2048+ tokens (prompt + forced-length
-    response) trained at context parallel 2 x tensor parallel 2 with sequence parallel, 2 steps."""
+    response) trained at context parallel 2 x tensor parallel 2 with sequence parallel, 2 steps. With 2
+    samples a prompt instead of the recipe's 4 (still 2 mini-batches a step): generating 16 samples of
+    2048 tokens took 47 of the test's 115 s."""
     d = tmp_path / "run"
-    r = run([HPCRL, "run", "configs/grpo_long_tiny.yaml", f"trainer.run_dir={d}", "trainer.total_steps=2"],
-            timeout=900)
+    r = run([HPCRL, "run", "configs/grpo_long_tiny.yaml", f"trainer.run_dir={d}", "trainer.total_steps=2",
+             "rollout.n=2", "actor.ppo_mini_batch_size=4"], timeout=900)
     assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}"
     steps = read_jsonl(d / "metrics.jsonl")
     assert [m["step"] for m in steps] == [1, 2]
@@ -518,23 +523,21 @@ def test_long_sequence_config_runs_two_steps(tmp_path: Path) -> None:
     assert "actor TP=2 PP=1 CP=2 DP=1 SP" in log, log[-3000:]
 
 
-def test_moe_config_runs_two_steps_and_resumes(tmp_path: Path) -> None:
+def test_moe_config_runs_two_steps_and_resumes(moe_ep2: tuple[Path, list[dict]], tmp_path: Path) -> None:
     """configs/grpo_tiny_moe.yaml end to end (tiny Qwen3-MoE, routing replay) at expert parallel 2
-    (TP=1, DP=4: each rank 4 of the 8 experts), with vLLM's fused-MoE engines at rollout TP 2: 2 steps,
-    the rollout-vs-actor gap of fp32 after each weight sync (0.16 nats before vLLM's CPU MoE weights
-    were packed again after a reload: hpcrl.engines.vllm.cpu_moe), the routing metrics. Then step 3
-    resumed at EP=2 equals an uninterrupted run bit for bit, and resumed at the config's TP=2 with
-    sequence parallel (EP=1: the experts' files of both EP ranks converted) within fp32 rounding.
-    (The load-balancing loss: tests/programs/moe_checks.py.)"""
-    d = tmp_path / "run"
-    # no load-balancing loss here: megatron's is a micro-batch's, so the TP=2 layout below (DP=2: other
-    # micro-batches) would give another term (tests/programs/moe_checks.py checks it at one DP size)
-    ep2 = [HPCRL, "run", "configs/grpo_tiny_moe.yaml", "rollout.tensor_parallel=2", "actor.parallel.tensor_parallel=1",
-           "actor.parallel.sequence_parallel=false", "actor.parallel.expert_parallel=2", "actor.moe.aux_loss_coeff=0"]
-    r = run([*ep2, f"trainer.run_dir={d}", "trainer.total_steps=2"], timeout=900)
-    assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}"
-    steps = read_jsonl(d / "metrics.jsonl")
-    assert [m["step"] for m in steps] == [1, 2]
+    (TP=1, DP=4: each rank 4 of the 8 experts), with vLLM's fused-MoE engines at rollout TP 2
+    (conftest.moe_ep2: 3 steps): the rollout-vs-actor gap of fp32 after each weight sync (0.16 nats
+    before vLLM's CPU MoE weights were packed again after a reload: hpcrl.engines.vllm.cpu_moe), the
+    routing metrics. Then its step-2 checkpoint (the config saves every 2 steps) resumed at EP=2 for
+    step 3 equals the uninterrupted run bit for bit, and resumed at the config's TP=2 with sequence
+    parallel (EP=1: the experts' files of both EP ranks converted) within fp32 rounding. Both resumes
+    start from copies of the fixture's checkpoint. (The load-balancing loss: tests/programs/moe_checks.py.)"""
+    from conftest import MOE_EP2
+    from test_resume import resumable_copy
+
+    ep2 = [HPCRL, "run", "configs/grpo_tiny_moe.yaml", *MOE_EP2]
+    ref, steps = moe_ep2
+    assert [m["step"] for m in steps] == [1, 2, 3]
     for m in steps:
         # fp32 on both sides: vLLM's CPU fused-MoE and megatron's experts give the same log-probs
         assert m["rollout_actor_logprob_gap_max"] < 1e-4, m
@@ -543,18 +546,15 @@ def test_moe_config_runs_two_steps_and_resumes(tmp_path: Path) -> None:
         # routing replay (the config's rollout.routing_replay): every token but each sequence's last
         # (which vLLM never routes) and the rows' padding takes vLLM's experts in the update
         assert 0.9 < m["actor/moe/replayed_share"] < 1.0, m
-    assert "actor TP=1 PP=1 EP=2 DP=4, MoE 8 experts" in (d / "logs" / "controller.log").read_text()
-    ckpt = d / "checkpoints" / "step_00000002" / "actor"
+    assert "actor TP=1 PP=1 EP=2 DP=4, MoE 8 experts" in (ref / "logs" / "controller.log").read_text()
+    ckpt = ref / "checkpoints" / "step_00000002" / "actor"
     assert sorted(p.name for p in ckpt.glob("*.safetensors")) == ["pp0_tp0_ep0.safetensors", "pp0_tp0_ep1.safetensors"]
-    other = tmp_path / "other-layout"
-    shutil.copytree(d, other)
+    d = resumable_copy(ref, tmp_path / "run", 2)
+    other = resumable_copy(ref, tmp_path / "other-layout", 2)
     r = run([*ep2, f"trainer.run_dir={d}", "trainer.total_steps=3"], timeout=900)
     assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}"
     assert [m["step"] for m in read_jsonl(d / "metrics.jsonl")] == [1, 2, 3]
     assert "resumed from" in (d / "logs" / "controller.log").read_text()
-    ref = tmp_path / "uninterrupted"
-    r = run([*ep2, f"trainer.run_dir={ref}", "trainer.total_steps=3"], timeout=900)
-    assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}"
     resumed, straight = read_jsonl(d / "metrics.jsonl")[-1], read_jsonl(ref / "metrics.jsonl")[-1]
     timing = ("time/", "throughput/", "memory/", "trace/")  # (tests/test_resume.py's TIMING)
     keys = [k for k in set(resumed) | set(straight) if not k.startswith(timing)]
@@ -568,7 +568,7 @@ def test_moe_config_runs_two_steps_and_resumes(tmp_path: Path) -> None:
     assert actor_digests(d) and actor_digests(d) == actor_digests(ref)
     # `hpcrl ckpt export-hf` of the EP=2 checkpoint: every HF tensor of the model (each expert from
     # its EP rank's file), trained away from the start
-    r = run([HPCRL, "ckpt", "export-hf", str(d), "--out", str(tmp_path / "hf")], timeout=300)
+    r = hpcrl_cli("ckpt", "export-hf", str(d), "--out", str(tmp_path / "hf"))
     assert r.returncode == 0 and "saved at TP=1 PP=1 EP=2" in r.stdout, f"{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
     from safetensors.torch import load_file
 
