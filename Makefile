@@ -2,6 +2,10 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# two pytest-xdist workers, one per core: the Slurm tests' chain on one (waits for requeues included), the
+# rest beside it; tests sharing a world or run stay on one worker (tests/conftest.py `xdist_groups`).
+# `make test XDIST=` runs one process.
+XDIST ?= -n 2 --dist loadgroup --no-loadscope-reorder
 
 .PHONY: setup models data test test-quick demo bench slurm-up slurm-down lint clean distclean
 
@@ -29,10 +33,10 @@ slurm-down:           ## stop the local cluster's daemons (by pid file)
 # the cluster's set-up (Debian packages, daemons) needs no venv: it runs beside the pip install
 test:                              ## the whole suite, as CI runs it
 	@$(MAKE) --no-print-directory -j3 setup models data slurm-up
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PY) -m pytest tests $(XDIST) $(PYTEST_ARGS)
 
 test-quick: setup models data      ## the inner loop: every test that starts no world, `hpcrl run` or Slurm job
-	HPCRL_TEST_QUICK=1 $(PY) -m pytest tests -m "not world" $(PYTEST_ARGS)
+	HPCRL_TEST_QUICK=1 $(PY) -m pytest tests -m "not world" $(XDIST) $(PYTEST_ARGS)
 
 demo: setup models data            ## GRPO demo on SmolLM2-135M-Instruct (see README)
 	@bash tools/demo.sh $(ARGS)

@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -55,10 +56,74 @@ WORLD_FIXTURES = {"checks", "killed_world", "scenarios", "grpo_reference", "one_
                   "bf16_run", "tools_run", "lora_run", "dpo_tiny", "jobs", "slurm_cluster"}
 
 
+def _shared_fixture_keys(item: pytest.Item) -> set[str]:
+    """The module- and session-scoped fixtures of tests/ that an item uses, as keys naming one instance each."""
+    info = getattr(item, "_fixtureinfo", None)
+    named = dict(info.name2fixturedefs) if info else {}
+    # a fixture taken through request.getfixturevalue(param) (tests/test_train.py's test_learns)
+    manager = item.session._fixturemanager
+    for value in getattr(getattr(item, "callspec", None), "params", {}).values():
+        if isinstance(value, str) and value not in named and value.isidentifier():
+            named[value] = manager.getfixturedefs(value, item) or ()
+    keys = set()
+    for name, defs in named.items():
+        if not defs or not defs[-1].baseid:  # pytest's own (tmp_path_factory, ...)
+            continue
+        scope = defs[-1].scope
+        if scope == "session":
+            keys.add(f"session:{name}")
+        elif scope in ("module", "package"):
+            keys.add(f"{item.nodeid.split('::')[0]}:{name}")
+    return keys
+
+
+REBUILT_PER_WORKER = {"grpo_reference"}
+
+
+def xdist_groups(items: list[pytest.Item]) -> dict[str, str]:
+    """How `make test` shares the suite between its two pytest-xdist workers (`--dist loadgroup`): every
+    Slurm test in one group, run one after the other (they preempt each other's jobs, and one test stops
+    the cluster's daemons), and tests that share a module or session fixture (a world, a run) in one group
+    so that it is built once. Every other test goes wherever a worker is free. Returns nodeid -> group.
+    The Slurm tests' share of the suite (~20 of its ~40 minutes of one process) is the longest chain:
+    through a fixture of REBUILT_PER_WORKER they do not pull in the other tests that use it, which may then
+    build it a second time on the other worker (46 s for grpo_reference, against ~4 min of its tests)."""
+    parent = {i.nodeid: i.nodeid for i in items}
+
+    def find(x: str) -> str:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    first_by_key: dict[str, str] = {}
+    for item in items:
+        keys = _shared_fixture_keys(item) - {"session:slurm_cluster"}  # only a check that the cluster answers
+        if "slurm" in item.keywords:
+            keys = (keys - {f"session:{name}" for name in REBUILT_PER_WORKER}) | {"slurm"}
+        for key in keys:
+            if key in first_by_key:
+                parent[find(item.nodeid)] = find(first_by_key[key])
+            else:
+                first_by_key[key] = item.nodeid
+    slurm_root = find(first_by_key["slurm"]) if "slurm" in first_by_key else None
+    size = Counter(find(i.nodeid) for i in items)
+    return {i.nodeid: "slurm" if find(i.nodeid) == slurm_root else find(i.nodeid)
+            for i in items if size[find(i.nodeid)] > 1}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if "slurm" in item.keywords or WORLD_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.world)
+    if config.pluginmanager.hasplugin("xdist") and getattr(config.option, "dist", "no") == "loadgroup":
+        groups = xdist_groups(items)
+        for item in items:
+            if item.nodeid in groups:
+                item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
+        # the Slurm group is the longest chain: it starts first (run with --no-loadscope-reorder)
+        items.sort(key=lambda i: groups.get(i.nodeid) != "slurm")
     slurm_items = [i for i in items if "slurm" in i.keywords]
     problem = slurm_problem() if slurm_items else None
     if problem and not IN_CI:

@@ -343,8 +343,8 @@ def test_grpo_with_lora_learns(lora_run: tuple[Path, Path, list[dict]]) -> None:
 
 
 def test_lora_checkpoint_holds_the_adapters_and_exports_for_peft(lora_run: tuple[Path, Path, list[dict]],
-                                                                 tmp_path: Path, request: pytest.FixtureRequest
-                                                                 ) -> None:
+                                                                 grpo_reference: tuple[Path, list[dict]],
+                                                                 tmp_path: Path) -> None:
     import torch
     from peft import PeftModel
     from safetensors.torch import load_file
@@ -370,7 +370,7 @@ def test_lora_checkpoint_holds_the_adapters_and_exports_for_peft(lora_run: tuple
     assert moved and all("proj" in k for k in moved)  # only adapted layers differ from the base
     assert max(float((exported[k] - peft_merged[k]).abs().max()) for k in exported) < 1e-6
     # a full-weight run's checkpoint has no adapters: --lora is refused with the reason, nothing written
-    full_run, _ = request.getfixturevalue("grpo_reference")
+    full_run, _ = grpo_reference
     r = hpcrl_cli("ckpt", "export-hf", str(full_run), "--out", str(tmp_path / "x"), "--lora")
     assert r.returncode == 2 and "no LoRA adapters" in r.stderr, r.stderr[-2000:]
     assert not (tmp_path / "x").exists()
