@@ -117,7 +117,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slurm" in item.keywords or WORLD_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.world)
-    if config.pluginmanager.hasplugin("xdist") and getattr(config.option, "dist", "no") == "loadgroup":
+    # an xdist worker (where collection happens) has dist "no" and loadgroup set; the main process, dist
+    if getattr(config.option, "loadgroup", False) or getattr(config.option, "dist", "no") == "loadgroup":
         groups = xdist_groups(items)
         for item in items:
             if item.nodeid in groups:
