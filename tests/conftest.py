@@ -7,10 +7,12 @@ green by skipping them. GPU tests are skipped without CUDA.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -112,19 +114,50 @@ def xdist_groups(items: list[pytest.Item]) -> dict[str, str]:
             for i in items if size[find(i.nodeid)] > 1}
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the xdist_group marks
+# `pytest -n 2 --dist loadgroup` (make test): the workers collect and compute the groups (xdist_groups); the
+# main process's scheduler reads them from this file. (xdist's own loadgroup reads `xdist_group` marks into
+# the node id, which pytest 9.2 no longer lets a plugin change: every test was a group of its own.)
+GROUPS_FILE_ENV = "HPCRL_XDIST_GROUPS"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config.option, "dist", "no") == "loadgroup" and not hasattr(config, "workerinput"):
+        fd, path = tempfile.mkstemp(prefix="hpcrl-xdist-groups-", suffix=".json")
+        os.close(fd)
+        os.environ[GROUPS_FILE_ENV] = path  # the workers, started after this, inherit it
+        config.add_cleanup(lambda: Path(path).unlink(missing_ok=True))
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)  # before xdist's own; a hook only when xdist is loaded
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        """xdist's scope scheduling with the scopes of xdist_groups: a group goes to one worker, whole."""
+
+        groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self.groups is None:  # first called once every worker has collected (and written the file)
+                self.groups = json.loads(Path(os.environ[GROUPS_FILE_ENV]).read_text())
+            return self.groups.get(nodeid, nodeid)
+
+    return GroupScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if "slurm" in item.keywords or WORLD_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.world)
-    # an xdist worker (where collection happens) has dist "no" and loadgroup set; the main process, dist
-    if getattr(config.option, "loadgroup", False) or getattr(config.option, "dist", "no") == "loadgroup":
+    if getattr(config.option, "loadgroup", False) and os.environ.get(GROUPS_FILE_ENV):  # an xdist worker
         groups = xdist_groups(items)
-        for item in items:
-            if item.nodeid in groups:
-                item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
-        # the Slurm group is the longest chain: it starts first (run with --no-loadscope-reorder)
+        # the Slurm group is the longest chain: it is scheduled first (with --no-loadscope-reorder)
         items.sort(key=lambda i: groups.get(i.nodeid) != "slurm")
+        tmp = f"{os.environ[GROUPS_FILE_ENV]}.{os.getpid()}"
+        Path(tmp).write_text(json.dumps(groups))
+        os.replace(tmp, os.environ[GROUPS_FILE_ENV])  # both workers write the same groups, whole
     slurm_items = [i for i in items if "slurm" in i.keywords]
     problem = slurm_problem() if slurm_items else None
     if problem and not IN_CI:
