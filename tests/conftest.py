@@ -87,7 +87,7 @@ def xdist_groups(items: list[pytest.Item]) -> dict[str, str]:
     Slurm test in one group, run one after the other (they preempt each other's jobs, and one test stops
     the cluster's daemons), and tests that share a module or session fixture (a world, a run) in one group
     so that it is built once. Every other test goes wherever a worker is free. Returns nodeid -> group.
-    The Slurm tests' share of the suite (~20 of its ~40 minutes of one process) is the longest chain:
+    The Slurm group is the longest chain (~28 of the suite's 36 minutes on two workers, docs/benchmarks.md):
     through a fixture of REBUILT_PER_WORKER they do not pull in the other tests that use it, which may then
     build it a second time on the other worker (46 s for grpo_reference, against ~4 min of its tests)."""
     parent = {i.nodeid: i.nodeid for i in items}
