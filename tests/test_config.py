@@ -6,7 +6,7 @@ import json
 
 import pytest
 import yaml
-from conftest import ARITH, HPCRL, REPO, TINY_MODEL, run
+from conftest import ARITH, HPCRL, PYTHON, REPO, TINY_MODEL, run
 from omegaconf import OmegaConf
 
 from hpcrl.cli import main as cli_main
@@ -183,6 +183,27 @@ def test_cli_config_exit_codes_and_messages() -> None:
     assert "actor.parallel.tensor_parallel=3" in r.stderr and "world size 4" in r.stderr
     r = run([HPCRL, "config", "configs/does_not_exist.yaml"])
     assert r.returncode == 2 and "does_not_exist.yaml" in r.stderr
+
+
+def test_cli_checks_a_config_without_importing_torch() -> None:
+    """`hpcrl run`, `hpcrl config` and `hpcrl submit` check the config (the preflight, the model's architecture
+    included) and build the launch command in a process that imports no torch: ~2.3 s of CPU each, paid by
+    every run and every requeue's resubmission. The control: the Megatron model module does import it."""
+    probe = """
+import sys
+from hpcrl.cli import build_parser, load_validated
+from hpcrl.config.derived import world_size
+from hpcrl.launch import entry_argv, mpiexec_command
+args = build_parser().parse_args(sys.argv[1:])
+cfg = load_validated(args)
+mpiexec_command(world_size(cfg), entry_argv("hpcrl.trainer.main:main", []))
+print("torch" in sys.modules)
+import hpcrl.engines.megatron.model
+print("torch" in sys.modules)
+"""
+    for cmd in (["run", TINY], ["config", "configs/grpo_tiny_moe.yaml"], ["submit", "--dry-run", TINY]):
+        r = run([PYTHON, "-c", probe, *cmd])
+        assert r.returncode == 0 and r.stdout.split() == ["False", "True"], (cmd, r.stdout, r.stderr[-2000:])
 
 
 def test_cli_config_prints_a_config_that_reloads_identically(tmp_path) -> None:

@@ -381,12 +381,16 @@ def wait_for_text(path: Path, text: str, count: int, proc: subprocess.Popen, wha
 
 def test_killed_then_stopped_run_resumes_bit_exact(dpo_tiny: tuple[Path, list[dict], Path], tmp_path: Path) -> None:
     """Two interruptions of a copy of the fixture's run (the same saves), then a run to the end:
-    1. kill -9 of the whole MPI world (controller and workers) in the save of step 8: the rerun
-       resumes from step 4, at an epoch boundary;
+    1. kill -9 of the whole MPI world (controller and workers) in the save of step 8: the half-written
+       step 8 is never taken for a checkpoint, the rerun resumes from step 4, exactly at an epoch
+       boundary ("continuing at step 5");
     2. SIGTERM to the controller of that rerun once it has done step 5 (what a preemption sends):
        it saves at the next step boundary and stops with status 0;
-    3. the last rerun resumes from there and ends as the run that never stopped: weights,
-       optimizer state, RNG streams, step records and validations."""
+    3. the last rerun resumes from there, its save of step 8 removes the killed save's debris, and it
+       ends as the run that never stopped: weights, optimizer state, RNG streams, step records and
+       validations.
+    The checkpoint store is the same for every algorithm and engine: this is also GRPO's world killed in a
+    save (that test, 3 more worlds with vLLM, merged here with its checks: issue 54)."""
     from test_resume import processes, same_records, shard_digests
 
     whole_dir, whole, data = dpo_tiny
@@ -410,6 +414,8 @@ def test_killed_then_stopped_run_resumes_bit_exact(dpo_tiny: tuple[Path, list[di
         proc.kill()
     ckpts = run_dir / "checkpoints"
     assert (ckpts / "step_00000004").exists() and not (ckpts / "step_00000008").exists()
+    half = [p.name for p in ckpts.iterdir() if "step_00000008" in p.name]  # the save the kill cut short
+    assert half and all(name.startswith(".tmp-step_00000008-") for name in half), sorted(os.listdir(ckpts))
     # 2. resumed from step 4 (the killed run logged step 5 once already)
     log = run_dir / "logs" / "controller.log"
     with open(tmp_path / "second.err", "w") as f:
@@ -425,11 +431,15 @@ def test_killed_then_stopped_run_resumes_bit_exact(dpo_tiny: tuple[Path, list[di
     text = log.read_text()
     stopped = re.search(rf"stopping after step (\d+) of {RUN_STEPS}: signal SIGTERM; checkpoint saved", text)
     assert stopped and 5 <= int(stopped.group(1)) < RUN_STEPS, text[-3000:]
+    assert f"resumed from {ckpts}/step_00000004" in text, text[-3000:]
+    assert f"continuing at step 5 of {RUN_STEPS}" in text, text[-3000:]
     # 3. to the end
     steps = dpo_run(run_dir, data)
     text = log.read_text()
     assert [int(m) for m in re.findall(r"resumed from \S+step_(\d+)", text)] == [4, int(stopped.group(1))]
     assert [m["step"] for m in steps] == list(range(1, RUN_STEPS + 1))
+    # the save of step 8 (a new temporary folder) removed the killed save's (hpcrl.checkpoint.store)
+    assert not [p.name for p in ckpts.iterdir() if p.name.startswith(".tmp-step_00000008")]  # debris removed
     assert same_records(whole, steps) == []
     ref, got = shard_digests(whole_dir, RUN_STEPS), shard_digests(run_dir, RUN_STEPS)
     assert any(p.endswith(".safetensors") for p in ref) and any(p.startswith("rng/") for p in ref) and ref == got

@@ -11,8 +11,7 @@ x 2 workers: the same 4-rank layout) is
     time the job fails (the loss named with rank and host within the heartbeat bound), requeues itself
     and resumes from the last checkpoint.
 All must finish with the reference's final weights and optimizer state and the same per-step metrics.
-Locally: a run whose whole MPI world is SIGKILLed in a save resumes from the previous checkpoint, at an
-epoch boundary, and ends as a run that never stopped.
+(A run whose whole MPI world is SIGKILLed in a save: tests/test_dpo.py, the same checkpoint store.)
 """
 
 from __future__ import annotations
@@ -24,11 +23,9 @@ import subprocess
 import time
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 import torch
 from conftest import (
-    ARITH,
     FULLY_ASYNC,
     HPCRL,
     REPO,
@@ -267,58 +264,6 @@ def test_killed_worker_and_controller_requeue_and_resume_bit_exact(slurm_cluster
     check_same_as_reference(run_dir, grpo_reference)
 
 
-def kill_world_at_fault(args: list[str], run_dir: Path, fault: str, err: Path) -> list[int]:
-    """Start `hpcrl run` (args) with HPCRL_FAULT=fault; once the fault has fired (its rank SIGKILLed
-    itself), SIGKILL every other process of that run's MPI world, found by its run directory (the
-    processes this test started). The pids killed."""
-    with open(err, "w") as f:
-        proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=f,
-                                env={**os.environ, "HPCRL_FAULT": fault})
-    try:
-        deadline = time.time() + 600
-        while "[hpcrl fault]" not in err.read_text(errors="replace"):
-            assert proc.poll() is None and time.time() < deadline, err.read_text(errors="replace")[-3000:]
-            time.sleep(0.05)
-        world = [pid for pid, argv in processes().items()
-                 if b"hpcrl_entry.py" in argv and f"trainer.run_dir={run_dir}".encode() in argv]
-        for pid in world:
-            os.kill(pid, 9)
-        proc.wait(timeout=60)
-    finally:
-        proc.kill()
-    return world
-
-
-@pytest.mark.world
-def test_world_killed_in_a_save_resumes_at_the_epoch_boundary_like_an_uninterrupted_run(tmp_path: Path) -> None:
-    """16 prompts, 8 per step: an epoch is 2 steps; saves every 2 steps, 5 steps in all. kill -9 of the
-    whole MPI world (controller and workers) in the save of step 4: the half-written step 4 is never
-    taken for a checkpoint, the rerun resumes from step 2, exactly at the epoch boundary, and ends with
-    the weights, optimizer state and step metrics of a run that never stopped."""
-    data = tmp_path / "train16.parquet"
-    pq.write_table(pq.read_table(ARITH / "train.parquet").slice(0, 16), data)
-    common = [f"data.train_files=[{data}]", "checkpoint.save_every=2", "trainer.total_steps=5"]
-    whole = hpcrl_run(tmp_path / "whole", *common)
-    assert [m["data/epoch"] for m in whole] == [0, 0, 1, 1, 2]
-    run_dir = tmp_path / "run"
-    args = [HPCRL, "run", "configs/grpo_tiny.yaml", f"trainer.run_dir={run_dir}", *TRAIN_OVERRIDES, *common]
-    # rank 2 dies as its second save (step 4) begins, while the other ranks write theirs; then the test
-    # SIGKILLs every other process of the world (hpcrl/launch/faults.py)
-    world = kill_world_at_fault(args, run_dir, "0:2:save_checkpoint:2", tmp_path / "first.err")
-    assert len(world) >= 4, world  # the controller and 3 workers still alive at the kill
-    ckpts = run_dir / "checkpoints"
-    half = [p.name for p in ckpts.iterdir() if "step_00000004" in p.name]
-    assert half and not (ckpts / "step_00000004").exists(), sorted(p.name for p in ckpts.iterdir())
-    steps = hpcrl_run(run_dir, *common)
-    log = controller_log(run_dir)
-    assert f"resumed from {ckpts}/step_00000002" in log and "continuing at step 3 of 5" in log
-    assert [m["step"] for m in steps] == [1, 2, 3, 4, 5]
-    assert same_records(whole, steps) == []
-    ref, got = shard_digests(tmp_path / "whole", 5), shard_digests(run_dir, 5)
-    assert any(p.endswith(".safetensors") for p in ref) and ref == got
-    assert not [p.name for p in ckpts.iterdir() if p.name.startswith(".tmp-step_00000004")]  # debris removed
-
-
 def hf_weights(run_dir: Path, step: int, out: Path) -> dict:
     """The actor of a run's checkpoint `step` as HF tensors (`hpcrl ckpt export-hf`: any layout)."""
     from safetensors.torch import load_file
@@ -532,11 +477,12 @@ def test_fsdp_engine_trains_a_family_megatron_cannot_and_resumes_bit_exact(slurm
     tensor after an update gives ~1e-2 and more). The same run as a Slurm job on the preemptible
     partition, sent SIGUSR1 after step 1, saves at the step boundary (torch.distributed.checkpoint),
     requeues itself and resumes at the same layout: it ends byte for byte as the uninterrupted run, with
-    the same step records (a whole world killed in a save is test_world_killed_in_a_save_..., the same
-    checkpoint store for either engine). The uninterrupted run's step-18 checkpoint resumed with the split
-    placement (1 trainer worker at DP=1, DCP reshards; 1 rollout worker fed over the bridge) draws the
-    same samples and ends within fp32 rounding of it; resumed on the Megatron engine it is refused before
-    anything starts, naming actor.engine."""
+    the same step records (a whole world killed in a save is tests/test_dpo.py's
+    test_killed_then_stopped_run_resumes_bit_exact, the same checkpoint store for either engine). The
+    uninterrupted run's step-18 checkpoint resumed with the split placement (1 trainer worker at DP=1,
+    DCP reshards; 1 rollout worker fed over the bridge) draws the same samples and ends within fp32
+    rounding of it; resumed on the Megatron engine it is refused before anything starts, naming
+    actor.engine."""
     from hpcrl.config import load_config
 
     # the bad input first: the Megatron engine refuses the family before anything starts

@@ -23,6 +23,7 @@ from mpi4py import MPI
 from hpcrl.controller.codec import Encoded, decode, encode
 from hpcrl.controller.errors import RemoteFailure
 from hpcrl.controller.liveness import Liveness
+from hpcrl.controller.startup_gc import collector_paused
 from hpcrl.controller.transport import (
     TAG_CALL,
     TAG_CALL_DATA,
@@ -93,7 +94,7 @@ class WorkerServer:
                 host=self.world.info(self.world.rank).host,
                 coords=tuple(header["coords"]) if header.get("coords") else None,
             )
-            with creating(placement):
+            with creating(placement), collector_paused():  # imports megatron-core / vLLM, loads models
                 self.objects[header["obj"]] = cls(*args, **kwargs)
             return None
         if kind == "call":

@@ -178,8 +178,8 @@ def _check_model_shape(cfg: DictConfig, hf: dict[str, Any], problems: list[str])
 
 
 def _check_architecture(key: str, path: str, hf: dict[str, Any], problems: list[str]) -> bool:
-    """The model's architecture is one the engine converts (hpcrl.engines.megatron.model.SUPPORTED)."""
-    from hpcrl.engines.megatron.model import SUPPORTED
+    """The model's architecture is one the engine converts (hpcrl.engines.megatron.architectures.SUPPORTED)."""
+    from hpcrl.engines.megatron.architectures import SUPPORTED
 
     arch = (hf.get("architectures") or [None])[0]
     if arch in SUPPORTED:

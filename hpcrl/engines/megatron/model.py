@@ -14,13 +14,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from hpcrl.engines.megatron.architectures import SUPPORTED
+
 if TYPE_CHECKING:
     from hpcrl.engines.megatron.moe import MoeSettings
-
-SUPPORTED = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "llama",
-             "Qwen3ForCausalLM": "qwen3", "Qwen3MoeForCausalLM": "qwen3_moe"}
-# Reward models: the same backbones with a one-label `score` head (read by the engine's value head).
-SUPPORTED.update({k.replace("ForCausalLM", "ForSequenceClassification"): v for k, v in list(SUPPORTED.items())})
 
 
 @dataclass(frozen=True)
