@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -79,7 +80,8 @@ def _shared_fixture_keys(item: pytest.Item) -> set[str]:
     return keys
 
 
-REBUILT_PER_WORKER = {"grpo_reference"}
+# session fixtures built once for both workers (built_once): a test of any group may use them
+SHARED_BETWEEN_WORKERS = {"grpo_reference", "moe_ep2"}
 
 
 def xdist_groups(items: list[pytest.Item]) -> dict[str, str]:
@@ -88,8 +90,8 @@ def xdist_groups(items: list[pytest.Item]) -> dict[str, str]:
     the cluster's daemons), and tests that share a module or session fixture (a world, a run) in one group
     so that it is built once. Every other test goes wherever a worker is free. Returns nodeid -> group.
     The Slurm group is the longest chain (~28 of the suite's 36 minutes on two workers, docs/benchmarks.md):
-    through a fixture of REBUILT_PER_WORKER they do not pull in the other tests that use it, which may then
-    build it a second time on the other worker (46 s for grpo_reference, against ~4 min of its tests)."""
+    through a fixture of SHARED_BETWEEN_WORKERS they do not pull in the other tests that use it (~4 min of
+    tests for grpo_reference): the first worker to need it builds it, the other waits for it (built_once)."""
     parent = {i.nodeid: i.nodeid for i in items}
 
     def find(x: str) -> str:
@@ -102,7 +104,7 @@ def xdist_groups(items: list[pytest.Item]) -> dict[str, str]:
     for item in items:
         keys = _shared_fixture_keys(item) - {"session:slurm_cluster"}  # only a check that the cluster answers
         if "slurm" in item.keywords:
-            keys = (keys - {f"session:{name}" for name in REBUILT_PER_WORKER}) | {"slurm"}
+            keys = (keys - {f"session:{name}" for name in SHARED_BETWEEN_WORKERS}) | {"slurm"}
         for key in keys:
             if key in first_by_key:
                 parent[find(item.nodeid)] = find(first_by_key[key])
@@ -255,11 +257,37 @@ def hpcrl_run(run_dir: Path, *overrides: str, timeout: float = 900, env: dict[st
     return read_jsonl(run_dir / "metrics.jsonl")
 
 
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
+    """A folder that `build(folder)` fills once per pytest run: under `make test`'s two xdist workers, the
+    first worker to ask builds it while the other waits on a lock, then reads it (without xdist: built
+    here). Readers must not change it: tests copy what they modify (test_resume.resumable_copy)."""
+    import fcntl
+
+    run_uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run_uid:
+        folder = tmp_path_factory.mktemp(name)
+        build(folder)
+        return folder
+    shared = tmp_path_factory.getbasetemp().parent / f"{name}-{run_uid[:12]}"  # pytest-N/: both workers'
+    shared.mkdir(exist_ok=True)
+    with open(shared / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when its process dies
+        if not (shared / ".built").exists():
+            folder = shared / "content"
+            shutil.rmtree(folder, ignore_errors=True)  # a builder that failed left a part
+            folder.mkdir()
+            build(folder)
+            (shared / ".built").touch()
+    return shared / "content"
+
+
 @pytest.fixture(scope="session")
 def grpo_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
-    """The uninterrupted GRPO run (saves every 4 steps, like the interrupted copies)."""
-    d = tmp_path_factory.mktemp("grpo") / "run"
-    return d, hpcrl_run(d, "algorithm.adv_estimator=grpo", "checkpoint.save_every=4")
+    """The uninterrupted GRPO run (saves every 4 steps, like the interrupted copies); one run for both
+    xdist workers (the Slurm tests' and the others': built_once)."""
+    folder = built_once(tmp_path_factory, "grpo", lambda f: hpcrl_run(f / "run", "algorithm.adv_estimator=grpo",
+                                                                      "checkpoint.save_every=4"))
+    return folder / "run", read_jsonl(folder / "run" / "metrics.jsonl")
 
 
 # GRPO with the split placement: workers 1-2 train (TP=2), workers 3-4 run one vLLM engine each; one
@@ -309,9 +337,12 @@ MOE_EP2 = ["rollout.tensor_parallel=2", "actor.parallel.tensor_parallel=1", "act
 def moe_ep2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
     """The uninterrupted MoE run at EP=2: 3 steps, saved at step 2 (the config's save_every) and at the
     end. tests/test_train.py checks it and resumes copies of its step-2 checkpoint at EP=2 and at TP=2;
-    tests/test_submit.py resumes a copy as a Slurm job on a node range (one world for all three)."""
-    d = tmp_path_factory.mktemp("moe-ep2") / "run"
-    r = run([HPCRL, "run", "configs/grpo_tiny_moe.yaml", f"trainer.run_dir={d}", *MOE_EP2, "trainer.total_steps=3"],
-            timeout=900)
-    assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}"
+    tests/test_submit.py resumes a copy as a Slurm job on a node range (one world for all three; one for both
+    xdist workers: built_once)."""
+    def build(folder: Path) -> None:
+        r = run([HPCRL, "run", "configs/grpo_tiny_moe.yaml", f"trainer.run_dir={folder / 'run'}", *MOE_EP2,
+                 "trainer.total_steps=3"], timeout=900)
+        assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}"
+
+    d = built_once(tmp_path_factory, "moe-ep2", build) / "run"
     return d, read_jsonl(d / "metrics.jsonl")
