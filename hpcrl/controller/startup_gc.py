@@ -11,8 +11,8 @@ instead of 80-83. vLLM makes the same trade once its engine is built (`freeze_gc
 launchers/hpcrl_entry.py's `_leave` at exit.
 
 The cost: cycles made during the build are collected only after it (by the next passes, or by vLLM's
-engine shutdown when the freeze pinned them): the workers' resident memory was ~15 MB higher (850 of
-835 MB) in that run.
+engine shutdown when the freeze pinned them): the workers' resident memory was ~15 MB higher in that run
+(~850 MB instead of ~835 MB).
 """
 
 from __future__ import annotations
