@@ -88,10 +88,22 @@ def finished(job: str, partition: str) -> bool:
                                                       "PREEMPTED") for c in comps)
 
 
-def check_completed_after_restart(job: str) -> None:
+def check_completed_after_restart(job: str, run_dir: Path) -> None:
     st = job_status(job)
-    assert [c["state"] for c in st["components"]] == ["COMPLETED", "COMPLETED"], st
+    assert [c["state"] for c in st["components"]] == ["COMPLETED", "COMPLETED"], launcher_report(st, run_dir)
     assert st["restarts"] >= 1, st  # it really went through a requeue
+
+
+def launcher_report(st: dict, run_dir: Path) -> str:
+    """The job's state and what the launcher and submitit said in its stderr (a job that ended FAILED
+    after its run had finished, CI 2026-12-07, showed only the state's first fields)."""
+    try:
+        err = Path(json.loads((run_dir / "slurm" / "job.json").read_text())["stderr"]).read_text(errors="replace")
+    except (OSError, ValueError, KeyError) as e:
+        err = f"(no job stderr: {e})"
+    said = [line for line in err.splitlines() if line.startswith(("[hpcrl", "submitit", "slurmstepd", "srun"))
+            or "Error" in line]
+    return f"{json.dumps(st)}\n" + "\n".join(said[-60:])
 
 
 def shard_digests(run_dir: Path, step: int) -> dict[str, str]:
@@ -161,7 +173,7 @@ def test_usr1_then_preemption_requeue_and_resume_bit_exact(slurm_cluster: None,
         wait_for(lambda: finished(job, "preempt"), 900, "the preempted job to finish", job)
     finally:
         subprocess.run(["scancel", job] + ([high] if high else []), capture_output=True)
-    check_completed_after_restart(job)
+    check_completed_after_restart(job, run_dir)
     assert job_status(job)["restarts"] >= 2  # the self-requeue after USR1, then the preemption's
     log = controller_log(run_dir)
     assert "signal SIGUSR1; checkpoint saved" in log and "requeued" in log, log[-3000:]
@@ -245,7 +257,7 @@ def test_killed_worker_and_controller_requeue_and_resume_bit_exact(slurm_cluster
         wait_for(lambda: finished(job, "normal"), 900, "the job to finish", job)
     finally:
         subprocess.run(["scancel", job], capture_output=True)
-    check_completed_after_restart(job)
+    check_completed_after_restart(job, run_dir)
     assert job_status(job)["restarts"] == 3
     assert workers_gone_s < bound + 10, f"workers took {workers_gone_s:.1f} s to exit after the controller died"
     text = controller_log(run_dir)
@@ -517,7 +529,7 @@ def test_fsdp_engine_trains_a_family_megatron_cannot_and_resumes_bit_exact(slurm
         wait_for(lambda: finished(job, "preempt"), 900, "the job to finish after its requeue", job)
     finally:
         subprocess.run(["scancel", job], capture_output=True)
-    check_completed_after_restart(job)
+    check_completed_after_restart(job, usr1)
     log = controller_log(usr1)
     assert "signal SIGUSR1; checkpoint saved" in log and "resumed from" in log, log[-3000:]
     got = hf_weights(usr1, FSDP_STEPS, tmp_path / "usr1-hf")

@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -512,6 +513,42 @@ def test_failed_runs_are_not_requeued_when_a_restart_cannot_help(tmp_path: Path,
     assert json.loads(job_json.read_text())["failure_requeues"] == 0  # nothing counted, nothing requeued
     assert not requeue_after_failure(load_config("configs/grpo_tiny.yaml", [f"trainer.run_dir={tmp_path}",
                                                                             "slurm.requeue=false"]), env, 137, [])
+
+
+def test_a_restart_records_its_outcome_after_an_instance_killed_while_submitit_wrote_its_own(tmp_path: Path) -> None:
+    """A requeue can kill the batch process while submitit writes the job's result (`*_result.pkl.save_tmp`,
+    then renamed); submitit refuses to write a result while that file exists (submitit issue #1617), so the
+    restarted job failed at its very end: CI, 2026-12-07, a preempted run's last restart trained to "done:
+    10 steps" and the job ended FAILED. Here submitit's own job runner (`python -m submitit.core._submit`, as
+    the batch script runs it) runs hpcrl's submitted function as a restart beside such a file; outside a
+    hetjob it fails at once, and that outcome must be recorded. The control: a plain function's outcome is
+    lost beside the same file."""
+    import submitit
+    from submitit.core.utils import JobPaths
+
+    from hpcrl.launch.allocation import submitit_entry
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SUBMITIT_"))}
+    env.update(SUBMITIT_EXECUTOR="slurm", SLURM_RESTART_COUNT="1", PYTHONPATH=str(REPO))
+
+    def run_as_restart(job_id: str, fn, *args) -> tuple[JobPaths, subprocess.CompletedProcess]:
+        paths = JobPaths(tmp_path, job_id=job_id)
+        submitit.helpers.DelayedSubmission(fn, *args).dump(paths.submitted_pickle)
+        paths.result_pickle.with_suffix(".pkl.save_tmp").write_bytes(b"")  # what the killed instance left
+        r = subprocess.run([sys.executable, "-m", "submitit.core._submit", str(tmp_path)], capture_output=True,
+                           text=True, timeout=120, env={**env, "SLURM_JOB_ID": job_id}, cwd=REPO)
+        return paths, r
+
+    paths, r = run_as_restart("4242", os.path.getsize, str(tmp_path / "absent"))
+    assert r.returncode != 0 and "A temporary saved file already exists" in r.stderr, r.stderr[-3000:]
+    assert not paths.result_pickle.exists()  # the control: submitit lost the outcome
+
+    paths, r = run_as_restart("4243", submitit_entry, "hpcrl.trainer.main:main", ["configs/grpo_tiny.yaml"])
+    assert r.returncode != 0 and "A temporary saved file already exists" not in r.stderr, r.stderr[-3000:]
+    assert f"[hpcrl slurm] removed {paths.result_pickle}.save_tmp" in r.stderr, r.stderr[-3000:]
+    outcome, trace = submitit.core.utils.pickle_load(paths.result_pickle)
+    assert outcome == "error" and "not inside a two-component heterogeneous job" in trace, trace
+    assert not paths.result_pickle.with_suffix(".pkl.save_tmp").exists()
 
 
 @pytest.mark.slurm

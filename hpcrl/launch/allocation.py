@@ -391,6 +391,29 @@ def requeue_after_failure(cfg: Any, env: Mapping[str, str], rc: int, received: S
     return True
 
 
+def clear_interrupted_result() -> str | None:
+    """Remove the temporary result file a killed instance of this submitit job left; its path, or None.
+
+    Why: submitit writes a job's outcome to `{job}_{task}_result.pkl.save_tmp`, renames it, and refuses to
+    start that write if the temporary file exists (submitit issue #1617). A requeue that kills the batch
+    process in between (KillWait after SIGTERM) leaves one behind, and the restarted job, having trained
+    to the end, then fails on it: CI, 2026-12-07, a preempted job whose last restart logged "done: 10
+    steps" ended FAILED with "A temporary saved file already exists". Nobody else writes that file: the
+    restarted instance is the only process of this job that will.
+    """
+    if "SUBMITIT_FOLDER" not in os.environ:
+        return None
+    import submitit
+
+    result = submitit.JobEnvironment().paths.result_pickle
+    stale = result.with_suffix(result.suffix + ".save_tmp")
+    try:
+        stale.unlink()
+    except FileNotFoundError:
+        return None
+    return str(stale)
+
+
 def submitit_entry(target: str, program_args: list[str], config_args: bool = True) -> int:
     """What `hpcrl submit` pickles for submitit: launch() that raises on failure.
 
@@ -399,6 +422,10 @@ def submitit_entry(target: str, program_args: list[str], config_args: bool = Tru
     """
     from hpcrl.config import ConfigError
 
+    removed = clear_interrupted_result()
+    if removed:
+        print(f"[hpcrl slurm] removed {removed}: the previous instance of this job was killed while submitit "
+              "wrote its result (a requeue)", file=sys.stderr, flush=True)
     try:
         rc = launch(target, program_args, config_args=config_args)
     except ConfigError as e:
