@@ -282,6 +282,22 @@ def test_a_killed_rollout_world_does_not_break_the_next(killed_world: dict, chec
     assert segments and not [n for n in segments if (SHM_DIR / n).exists()], segments
 
 
+def test_an_engine_closed_at_the_run_end_skips_the_collections_and_leaves_no_segment(checks: dict) -> None:
+    """A run's end closes its engines with final=True (hpcrl/engines/vllm/engine.py `close`): vLLM's
+    shutdown and hpcrl's close then run no full garbage collection (each walks every object of a worker,
+    ~0.5 s of CPU; 6 CPU-s of a 2-step tiny run, 2026-12-07), and what the engine held in /dev/shm is
+    still gone after the world ends. The control: the same count sees the collections of a close that
+    another engine follows."""
+    assert all(n >= 2 for n in checks["tiny_tp2"]["full_collections_in_close"]), checks["tiny_tp2"]
+    final = checks["final_close"]
+    assert final["full_collections_in_close"] == [0, 0, 0, 0], final
+    names = final["vllm_shm_names"]
+    assert names[0]["active"] or not IN_CI, f"vLLM's CPU shm communicator is off in this build: {names}"
+    if names[0]["active"]:
+        assert any(n.startswith(names[0]["name"]) for n in final["shm_segments"]), final
+    assert final["shm_segments"] and not [n for n in final["shm_segments"] if (SHM_DIR / n).exists()], final
+
+
 def test_stale_segments_are_the_unused_old_ones(tmp_path) -> None:
     names = ["mpich_shm_0badc0de_0", "hpcrl-x-tp:1-[0-1]-cpushm_0", "hpcrl-x-tp:1-[0-1]-cpushm_1", "other_0"]
     for n in names:

@@ -94,7 +94,7 @@ def serve(run_dir: str, overrides: list[str] | None = None, pool: str | None = N
         stop.set()
         channel.close()
         if engine is not None:
-            engine.close()
+            engine.close(final=True)  # the pool worker exits after this
 
 
 def _build_engine(plain: dict[str, Any]) -> Any:

@@ -50,7 +50,8 @@ class Colocated:
         return self.actor.peak_memory(), self.actor.ranks
 
     def close(self) -> None:
-        self.actor.close_rollout()
+        """The run's end: the workers exit after this, no engine follows (RolloutEngine.close)."""
+        self.actor.close_rollout(final=True)
 
 
 class Split:
@@ -104,7 +105,8 @@ class Split:
         return self.actor.peak_memory() + self.rollout.peak_memory(), self.actor.ranks + self.rollout.ranks
 
     def close(self) -> None:
-        self.rollout.close_rollout()
+        """The run's end: the workers exit after this, no engine follows (RolloutEngine.close)."""
+        self.rollout.close_rollout(final=True)
 
 
 def make_placement(cfg: dict[str, Any]) -> Colocated | Split:

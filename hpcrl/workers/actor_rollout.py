@@ -146,11 +146,12 @@ class RolloutMethods:
         return out if self.rollout.tp_rank == 0 else None
 
     @register(dispatch=Dispatch.ONE_TO_ALL, collect=Collect.NONE)
-    def close_rollout(self) -> None:
+    def close_rollout(self, final: bool = False) -> None:
         """Shut this group's vLLM engines down (vLLM's parallel state is per process: another
-        group's engine can only be built after this)."""
+        group's engine can only be built after this). final: the run ends, no engine follows
+        (RolloutEngine.close)."""
         if self.rollout is not None:
-            self.rollout.close()
+            self.rollout.close(final=final)
             self.rollout = None
 
     def close(self) -> None:

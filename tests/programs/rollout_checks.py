@@ -65,6 +65,12 @@ class ShmActorRollout(ActorRolloutRole):
     def pid(self) -> int:
         return os.getpid()
 
+    def full_collections(self) -> int:
+        """Full (generation 2) garbage collections this process has run so far."""
+        import gc
+
+        return gc.get_stats()[2]["collections"]
+
     def kv_cache_bytes(self) -> int:
         """Bytes of the KV cache tensors vLLM allocated on this rank (its model runner's kv_caches,
         each storage once), while the engine is awake."""
@@ -544,7 +550,10 @@ def main() -> None:
     res["tiny_tp2"]["greedy_equal_hf_after_export"] = sum(a == b for a, b in zip(vl2, hf2, strict=True))
     res["tiny_tp2"]["shm_segments"] = group_segments(s["group"])
     res["tiny_tp2"]["vllm_shm_names"] = s["group"].vllm_shm_name()
-    s["group"].close_rollout()
+    before = s["group"].full_collections()
+    s["group"].close_rollout()  # another engine follows in these processes: the memory is collected
+    res["tiny_tp2"]["full_collections_in_close"] = [n - m for n, m in zip(s["group"].full_collections(), before,
+                                                                          strict=True)]
     timed("tiny 2x2 -> rollout tp2", t0)
 
     # 3. SmolLM2-135M (3 KV heads: Megatron TP 1 on 4 workers): TP=1 PP=2 DP=2 -> rollout TP=1
@@ -582,7 +591,12 @@ def main() -> None:
     s = sync_scenario(MOE, 1, 1, 2, 1e-3, 8, 0.25, "rollout.routing_replay=true")
     res["moe_tp2"] = s["result"]
     res["routing_replay"] = routing_replay_checks(s["group"], prompt_ids(MOE, 6))
-    s["group"].close_rollout()
+    # the last engine of this world, closed as a run's end closes its engines (final: no collection)
+    res["final_close"] = {"shm_segments": group_segments(s["group"]), "vllm_shm_names": s["group"].vllm_shm_name()}
+    before = s["group"].full_collections()
+    s["group"].close_rollout(final=True)
+    res["final_close"]["full_collections_in_close"] = [n - m for n, m in zip(s["group"].full_collections(), before,
+                                                                             strict=True)]
     timed("tiny moe 1x1 -> rollout tp2, routing replay", t0)
 
     res["timings"]["total"] = round(time.time() - t_all, 1)
