@@ -52,3 +52,18 @@ def mixed(data_source, solution_str, ground_truth, extra_info=None):
 
 def two_args(data_source, solution_str):
     return 0.0
+
+
+def digit_fraction_slower_after_a_restart(data_source, solution_str, ground_truth, extra_info=None):
+    """hpcrl.rewards.toy.digit_fraction, 0.5 s later a sample in a Slurm job's first restart: the same
+    rewards (so the same run as the reference), ~8 s a step (32 samples on 2 reward workers).
+    tests/test_resume.py's USR1 + preemption test needs the restarted run still going when the preemption
+    reaches it: the 8 steps left took ~4 s, twice in CI the run had ended first, and once here, with 2.4 s
+    steps, Slurm's preemption signal had not come 14 s after the preempting job was submitted (the job
+    ended TIMEOUT, not requeued). With ~48 s left the preemption lands mid-run, by its USR1 or at the end of
+    the grace time."""
+    from hpcrl.rewards.toy import digit_fraction
+
+    if os.environ.get("SLURM_RESTART_COUNT") == "1":
+        time.sleep(0.5)
+    return digit_fraction(data_source, solution_str, ground_truth, extra_info)

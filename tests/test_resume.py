@@ -67,8 +67,10 @@ def wait_for(cond, timeout: float, what: str, job: str) -> None:
 
 
 def job_status(job: str) -> dict:
-    """`hpcrl status JOB --json`: state, restarts and the het components' states (ID+0, ID+1)."""
-    r = run([HPCRL, "status", job, "--json"], timeout=60)
+    """`hpcrl status JOB --json`: state, restarts and the het components' states (ID+0, ID+1). In this
+    process (conftest.hpcrl_cli): the waits below ask every 2 s, and an interpreter a call cost ~0.2 s of
+    CPU, a tenth of a core through every wait of the Slurm tests, taken from the jobs they wait for."""
+    r = hpcrl_cli("status", job, "--json")
     return json.loads(r.stdout) if r.returncode == 0 and r.stdout.strip() else {}
 
 
@@ -143,12 +145,15 @@ def test_usr1_then_preemption_requeue_and_resume_bit_exact(slurm_cluster: None,
     """One job on the preemptible partition meets both interruptions in turn, as a long run on a
     preemptible queue does: SIGUSR1 after step 1, then, once the restarted job has resumed, a job on
     a higher-priority partition that preempts it. One job instead of two saves a start-up and a run.
-    The resumed run's remaining steps take a few seconds (~0.5 s each), so the preempting job is
-    submitted as the resume is logged (polled every 50 ms): polled every 2 s behind `hpcrl status`, it
-    once came after the run's last step (CI, 2026-12-07: the job finished with 1 restart)."""
+    The resumed run's remaining steps took a few seconds (~0.5 s each): the preempting job is submitted as
+    the resume is logged (polled every 50 ms; polled every 2 s behind `hpcrl status`, it once came after
+    the run's last step), and the first restart's rewards come 0.5 s a sample later (the same rewards, ~8 s
+    a step: tests/reward_fns.py says why)."""
     run_dir = tmp_path / "usr1-preempted"
     log_file = run_dir / "logs" / "controller.log"
-    job = submit(run_dir, "preempt")
+    # the reference's rewards, slower in the first restart: the preemption must land mid-run (tests/reward_fns.py)
+    job = submit(run_dir, "preempt", "reward.function=reward_fns:digit_fraction_slower_after_a_restart",
+                 env={**os.environ, "PYTHONPATH": str(REPO / "tests")})
     high = None
 
     def restarted() -> bool:  # the requeued job's world is up

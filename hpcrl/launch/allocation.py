@@ -257,8 +257,8 @@ def run_srun(argv: Sequence[str], env: Mapping[str, str], received: list[int] | 
                 os.kill(proc.pid, signum)
             except ProcessLookupError:
                 pass
-        print(f"[hpcrl slurm] got {signal.Signals(signum).name}: forwarded to srun (pid {proc.pid})",
-              file=sys.stderr, flush=True)
+        print(f"[hpcrl slurm] got {signal.Signals(signum).name} at {time.strftime('%H:%M:%S')}: forwarded to srun "
+              f"(pid {proc.pid})", file=sys.stderr, flush=True)
 
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED_SIGNALS}
     try:

@@ -73,9 +73,16 @@ class StopWatch:
                      time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.end_time)), margin_s)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        # no logging here: handlers run between bytecodes, possibly inside the logging module; one
+        # os.write says when the signal came (the stop itself is logged at the step boundary)
+        try:
+            os.write(2, f"[hpcrl] controller: {name} at {time.strftime('%H:%M:%S')}"
+                        f"{'' if self.reason is None else ' (already stopping: ' + self.reason + ')'}\n".encode())
+        except OSError:
+            pass
         if self.reason is None:
-            self.reason = f"signal {signal.Signals(signum).name}"
-            # no logging here: handlers run between bytecodes, possibly inside the logging module
+            self.reason = f"signal {name}"
 
     def should_stop(self, last_step_s: float) -> str | None:
         """Reason to save and stop now, or None. Called at every step boundary."""
