@@ -209,9 +209,9 @@ def run(cmd: list[str], timeout: float = 120, **kw) -> subprocess.CompletedProce
 def hpcrl_cli(*args: str) -> subprocess.CompletedProcess:
     """`hpcrl ARGS` inside this process, from the repo root: hpcrl.cli.main with the command's own parser,
     checks, output and exit status, without a new interpreter importing torch (~3 s of CPU a call,
-    ~4 s wall on the CI box). Only for `hpcrl ckpt` and `hpcrl plan`, which start nothing and change no
-    process state; the commands that start worlds or jobs, and those whose process is the point
-    (`hpcrl config`'s exit codes), go through `run`."""
+    ~4 s wall on the CI box). Only for `hpcrl ckpt`, `hpcrl plan` and `hpcrl status`, which start nothing
+    and change no process state; the commands that start worlds or jobs, and those whose process is the
+    point (`hpcrl config`'s exit codes, `hpcrl status` in tests/test_submit.py), go through `run`."""
     import contextlib
     import io
 
