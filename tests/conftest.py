@@ -336,8 +336,8 @@ MOE_EP2 = ["rollout.tensor_parallel=2", "actor.parallel.tensor_parallel=1", "act
 @pytest.fixture(scope="session")
 def moe_ep2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
     """The uninterrupted MoE run at EP=2: 3 steps, saved at step 2 (the config's save_every) and at the
-    end. tests/test_train.py checks it and resumes copies of its step-2 checkpoint at EP=2 and at TP=2;
-    tests/test_submit.py resumes a copy as a Slurm job on a node range (one world for all three; one for both
+    end. tests/test_train.py checks it and resumes a copy of its step-2 checkpoint at EP=2; tests/test_submit.py
+    resumes a copy as a Slurm job on a node range at the config's TP=2 (one world for all three; one for both
     xdist workers: built_once)."""
     def build(folder: Path) -> None:
         r = run([HPCRL, "run", "configs/grpo_tiny_moe.yaml", f"trainer.run_dir={folder / 'run'}", *MOE_EP2,

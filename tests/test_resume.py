@@ -151,7 +151,6 @@ def test_usr1_then_preemption_requeue_and_resume_bit_exact(slurm_cluster: None,
     a step: tests/reward_fns.py says why)."""
     run_dir = tmp_path / "usr1-preempted"
     log_file = run_dir / "logs" / "controller.log"
-    # the reference's rewards, slower in the first restart: the preemption must land mid-run (tests/reward_fns.py)
     job = submit(run_dir, "preempt", "reward.function=reward_fns:digit_fraction_slower_after_a_restart",
                  env={**os.environ, "PYTHONPATH": str(REPO / "tests")})
     high = None

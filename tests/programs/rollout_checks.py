@@ -100,6 +100,13 @@ class ShmActorRollout(ActorRolloutRole):
         return self.rollout.llm.collective_rpc(fill)[0]
 
 
+def collections_in_close(group: Any, final: bool = False) -> list[int]:
+    """Close the group's engines; the full garbage collections each rank ran meanwhile."""
+    before = group.full_collections()
+    group.close_rollout(final=final)
+    return [n - m for n, m in zip(group.full_collections(), before, strict=True)]
+
+
 def group_segments(group: Any) -> list[str]:
     """The /dev/shm segments any worker of the group maps."""
     return sorted({n for names in group.shm_segments() for n in names})
@@ -550,10 +557,8 @@ def main() -> None:
     res["tiny_tp2"]["greedy_equal_hf_after_export"] = sum(a == b for a, b in zip(vl2, hf2, strict=True))
     res["tiny_tp2"]["shm_segments"] = group_segments(s["group"])
     res["tiny_tp2"]["vllm_shm_names"] = s["group"].vllm_shm_name()
-    before = s["group"].full_collections()
-    s["group"].close_rollout()  # another engine follows in these processes: the memory is collected
-    res["tiny_tp2"]["full_collections_in_close"] = [n - m for n, m in zip(s["group"].full_collections(), before,
-                                                                          strict=True)]
+    # another engine follows in these processes: the memory is collected
+    res["tiny_tp2"]["full_collections_in_close"] = collections_in_close(s["group"])
     timed("tiny 2x2 -> rollout tp2", t0)
 
     # 3. SmolLM2-135M (3 KV heads: Megatron TP 1 on 4 workers): TP=1 PP=2 DP=2 -> rollout TP=1
@@ -593,10 +598,7 @@ def main() -> None:
     res["routing_replay"] = routing_replay_checks(s["group"], prompt_ids(MOE, 6))
     # the last engine of this world, closed as a run's end closes its engines (final: no collection)
     res["final_close"] = {"shm_segments": group_segments(s["group"]), "vllm_shm_names": s["group"].vllm_shm_name()}
-    before = s["group"].full_collections()
-    s["group"].close_rollout(final=True)
-    res["final_close"]["full_collections_in_close"] = [n - m for n, m in zip(s["group"].full_collections(), before,
-                                                                             strict=True)]
+    res["final_close"]["full_collections_in_close"] = collections_in_close(s["group"], final=True)
     timed("tiny moe 1x1 -> rollout tp2, routing replay", t0)
 
     res["timings"]["total"] = round(time.time() - t_all, 1)
