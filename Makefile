@@ -7,16 +7,21 @@ PYTEST_ARGS ?=
 # `make test XDIST=` runs one process.
 XDIST ?= -n 2 --dist loadgroup --no-loadscope-reorder
 
-.PHONY: setup models data test test-quick demo bench slurm-up slurm-down lint clean distclean
+TINY_MODELS := qwen2 qwen3 qwen3-moe phi3
+
+.PHONY: setup models data test test-quick demo bench slurm-up slurm-down lint clean distclean \
+        smollm2 $(addprefix tiny-,$(TINY_MODELS))
 
 setup:                ## .venv with the pinned CPU stack (idempotent, ~1 s when up to date)
 	@bash tools/setup_venv.sh
 
-models: setup         ## offline models: tiny random Qwen2, Qwen3, Qwen3-MoE, Phi-3 (tests), SmolLM2-135M-Instruct (demo)
-	@$(PY) tools/make_tiny_model.py --family qwen2 --out models/tiny-qwen2
-	@$(PY) tools/make_tiny_model.py --family qwen3 --out models/tiny-qwen3
-	@$(PY) tools/make_tiny_model.py --family qwen3-moe --out models/tiny-qwen3-moe
-	@$(PY) tools/make_tiny_model.py --family phi3 --out models/tiny-phi3
+# one target a model: under `make -j` (make test) they build side by side, SmolLM2's ~27 s beside the rest
+models: $(addprefix tiny-,$(TINY_MODELS)) smollm2  ## offline models: tiny random Qwen2, Qwen3, Qwen3-MoE, Phi-3 (tests), SmolLM2-135M-Instruct (demo)
+
+$(addprefix tiny-,$(TINY_MODELS)): tiny-%: setup
+	@$(PY) tools/make_tiny_model.py --family $* --out models/tiny-$*
+
+smollm2: setup
 	@$(PY) tools/build_smollm2.py --out models/smollm2-135m-instruct --cache models/.cache
 
 data: setup           ## generated data: arithmetic word problems (data/arith), coding tasks (data/code), preference pairs (data/pref)

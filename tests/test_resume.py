@@ -421,14 +421,16 @@ def test_one_step_off_run_stopped_and_resumed_trains_on_the_same_batches(one_ste
 
 def test_one_step_off_checkpoint_resumes_colocated_on_the_same_prompts(one_step_off: tuple[Path, list[dict]],
                                                                        tmp_path: Path) -> None:
-    """The reverse of the split resume above: the one-step-off run's step-8 checkpoint (split placement,
-    holding the batch generated ahead for step 9) resumed colocated, generation not ahead. The queued
-    batch, a step staler than the new bound of 0, is generated again from its prompts with the current
-    weights (logged), so steps 9-10 train the prompts the one-step-off run trained, each prompt once."""
+    """The reverse of the split resume above: the one-step-off run's step-8 checkpoint (split placement on
+    4 workers, holding the batch generated ahead for step 9) resumed colocated on 2 workers (the trainer's
+    TP=2; 2 ranks fewer to start than on 4, and the queued batch crosses to another allocation), generation
+    not ahead. The queued batch, a step staler than the new bound of 0, is generated again from its prompts
+    with the current weights (logged), so steps 9-10 train the prompts the one-step-off run trained, each
+    prompt once."""
     ref_dir, ref_steps = one_step_off
     d = resumable_copy(ref_dir, tmp_path / "colocated", 8)
     assert (d / "checkpoints" / "step_00000008" / "rollouts_ahead.pt").is_file()
-    steps = hpcrl_run(d)
+    steps = hpcrl_run(d, "trainer.workers_per_node=2")
     log = controller_log(d)
     assert "resumed with 1 batch(es) generated ahead, for step(s) [9]" in log, log[-3000:]
     assert "regenerating its 8 prompts with the current weights" in log, log[-3000:]
