@@ -6,7 +6,9 @@ the CLI can print it and exit 2 before anything is allocated.
 
 from __future__ import annotations
 
+import copy
 import difflib
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -91,14 +93,29 @@ def parse_overrides(overrides: Sequence[str]) -> list[tuple[str, Any, str]]:
     return parsed
 
 
+@functools.cache
+def _schema() -> DictConfig:
+    """The schema with its defaults, built once a process (OmegaConf.structured: ~40 ms, a deep copy ~6 ms).
+    Read only: load_config copies it."""
+    return OmegaConf.structured(HpcrlConfig)
+
+
+def _nested(key: str, value: Any) -> dict[str, Any]:
+    """`a.b.c`, v -> {"a": {"b": {"c": v}}}."""
+    nested: Any = value
+    for part in reversed(key.split(".")):
+        nested = {part: nested}
+    return nested
+
+
 def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> DictConfig:
     """Schema defaults <- YAML file <- overrides, type-checked and resolved.
 
     Interpolations such as ${trainer.run_dir} are resolved in place, so what is printed, saved
     with a checkpoint and handed to workers is exactly what runs.
     """
-    schema = OmegaConf.structured(HpcrlConfig)
-    cfg = schema.copy()
+    schema = _schema()
+    cfg = copy.deepcopy(schema)
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -115,21 +132,24 @@ def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> DictC
         except OmegaConfBaseException as e:
             raise ConfigError([_describe(e, schema, str(path))]) from None
 
-    problems = []
-    for key, value, text in parse_overrides(overrides):
-        nested: Any = value
-        for part in reversed(key.split(".")):
-            nested = {part: nested}
-        try:
-            # merge, not update: it also fills an optional section that is still null
-            # (reference.parallel.tensor_parallel=2) from its dataclass.
-            cfg = OmegaConf.merge(cfg, nested)
-        except OmegaConfBaseException as e:
-            if isinstance(e, (ConfigKeyError, ConfigAttributeError)):
-                e.full_key = key  # name the whole key the user wrote, not just its first unknown part
-            problems.append(_describe(e, schema, f"override {text!r}"))
-    if problems:
-        raise ConfigError(problems)
+    parsed = parse_overrides(overrides)
+    nested = [_nested(key, value) for key, value, _ in parsed]
+    try:
+        # merge, not update: it also fills an optional section that is still null
+        # (reference.parallel.tensor_parallel=2) from its dataclass. All overrides in one merge: each
+        # merge deep-copies the whole config (~10 ms), in order, as one merge after another would.
+        cfg = OmegaConf.merge(cfg, *nested) if nested else cfg
+    except OmegaConfBaseException:
+        # one by one, to name every override that fails (the good ones still merged, for the next check)
+        problems = []
+        for (key, _, text), one in zip(parsed, nested, strict=True):
+            try:
+                cfg = OmegaConf.merge(cfg, one)
+            except OmegaConfBaseException as e:
+                if isinstance(e, (ConfigKeyError, ConfigAttributeError)):
+                    e.full_key = key  # name the whole key the user wrote, not just its first unknown part
+                problems.append(_describe(e, schema, f"override {text!r}"))
+        raise ConfigError(problems) from None
 
     try:
         OmegaConf.resolve(cfg)

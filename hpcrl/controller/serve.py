@@ -103,6 +103,12 @@ class WorkerServer:
         if kind == "drop":
             self.objects.pop(header["obj"]).close()
             gc.collect()  # a model's modules refer to each other: free them (and their process groups) now
+            if not self.objects:
+                # No role left on this rank: what is alive is the process's own (imported modules, the
+                # runtime). Set aside (gc.freeze), the next drop's collection walks only what was built
+                # after it: a full one walks the ~480,000 objects of torch, megatron-core and vLLM, 0.25 s
+                # on these CPUs, at each of the Megatron test world's ~60 drops on each rank.
+                gc.freeze()
             return None
         raise ValueError(f"unknown message kind {kind!r}")
 

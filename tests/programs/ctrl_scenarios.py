@@ -93,6 +93,12 @@ class ScenarioWorker(Worker):
     def holders(self) -> dict[str, Any]:
         return {"alive": Holder.holders_alive(), "closed": list(_holders_closed)}
 
+    @staticmethod
+    def frozen_objects() -> int:
+        import gc
+
+        return gc.get_freeze_count()
+
     def gloo_sum(self) -> dict[str, Any]:
         x = torch.tensor([float(self.worker_rank)])
         dist.all_reduce(x)
@@ -159,9 +165,11 @@ def main() -> None:
     out["dp_split_meta"] = tagged.meta
 
     # Megatron layouts given by the controller: TP=2 x DP=2, and PP=2 x DP=2
+    layout_groups = []
     for name, layout in (("tp2dp2", ParallelLayout.megatron(tp=2, dp=2)),
                          ("pp2dp2", ParallelLayout.megatron(pp=2, dp=2))):
         lg = WorkerGroup(ScenarioWorker, init_kwargs={"tag": name}, name=name, layout=layout)
+        layout_groups.append(lg)
         t = lg.tag_rows(Batch({"x": torch.arange(6.0)}, {"text": [str(i) for i in range(6)]}))
         out[name] = {"dp_rank": t["dp_rank"].tolist(), "group_rank": t["group_rank"].tolist(),
                      "x": t["x"].tolist()}
@@ -204,7 +212,8 @@ def main() -> None:
         out["call_after_close"] = None
     except RuntimeError as e:
         out["call_after_close"] = str(e)
-    out["same_name_again"] = [w["group"] for w in WorkerGroup(Holder, ranks=[1], name="held").process_info()]
+    held_again = WorkerGroup(Holder, ranks=[1], name="held")
+    out["same_name_again"] = [w["group"] for w in held_again.process_info()]
 
     # Futures: two groups on disjoint ranks overlap
     left = WorkerGroup(ScenarioWorker, ranks=[1, 2], init_kwargs={"tag": "left"}, name="left")
@@ -243,6 +252,18 @@ def main() -> None:
     out["long_spin_iters"] = g.spin(bound + 1.5)
     out["long_spin_s"] = time.monotonic() - t0
     out["heartbeat_timeout_s"] = bound
+
+    # The last drop on a rank (no role left there) sets what is alive aside (hpcrl/controller/serve.py): a
+    # later drop's collection walks only what was built after it, and frees it, as a model is freed
+    frozen_before = g.frozen_objects()
+    for group in (*layout_groups, rc, b, held_again, left, right, g):
+        group.close()
+    probe = WorkerGroup(ScenarioWorker, init_kwargs={"tag": "probe"}, name="probe")
+    out["frozen"] = {"before": frozen_before, "after_last_drop": probe.frozen_objects()}
+    later = WorkerGroup(Holder, ranks=[1, 2], name="held-after-the-freeze")
+    out["holders_later"] = {"before_close": probe.holders()}
+    later.close()
+    out["holders_later"]["after_close"] = probe.holders()
 
     with open(sys.argv[1], "w") as f:
         json.dump(out, f)
