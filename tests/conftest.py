@@ -231,9 +231,8 @@ def hpcrl_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess([HPCRL, *args], code, out.getvalue(), err.getvalue())
 
 
-# The tiny GRPO run that tests share: tests/test_train.py checks that it learns, tests/test_resume.py
-# that interrupted copies of it on Slurm end with the same weights. 10 steps, TP=2 over 4 workers,
-# reward = share of digits in the output (a custom `module:function` reward the tiny model can learn).
+# The tiny runs of the tests: 10 steps, TP=2 (over the recipe's 4 workers: DP=2), reward = share of
+# digits in the output (a custom `module:function` reward the tiny model can learn).
 TRAIN_STEPS = 10
 TRAIN_OVERRIDES = ["reward.function=hpcrl.rewards.toy:digit_fraction", f"trainer.total_steps={TRAIN_STEPS}",
                    "trainer.val_every=0", "actor.parallel.tensor_parallel=2", "actor.optim.lr=5e-3",
@@ -281,12 +280,20 @@ def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Calla
     return shared / "content"
 
 
+# The GRPO run that tests share (grpo_reference): tests/test_train.py checks that it learns, tests/test_resume.py
+# that interrupted copies of it on Slurm end with the same weights and that its checkpoint resumes on other
+# layouts. On 2 workers at TP=1 x DP=2: the optimizer's moments cut over DP, as on 4 workers at TP=2 x DP=2,
+# and each of the 7 Slurm world starts of its interrupted copies has 2 ranks fewer to start (~12 CPU-s each
+# on the loaded CI box: a worker's start is mostly importing torch, megatron-core and vLLM).
+REFERENCE_LAYOUT = ["trainer.workers_per_node=2", "actor.parallel.tensor_parallel=1"]
+
+
 @pytest.fixture(scope="session")
 def grpo_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
-    """The uninterrupted GRPO run (saves every 4 steps, like the interrupted copies); one run for both
-    xdist workers (the Slurm tests' and the others': built_once)."""
+    """The uninterrupted GRPO run (saves every 4 steps, like the interrupted copies; REFERENCE_LAYOUT); one
+    run for both xdist workers (the Slurm tests' and the others': built_once)."""
     folder = built_once(tmp_path_factory, "grpo", lambda f: hpcrl_run(f / "run", "algorithm.adv_estimator=grpo",
-                                                                      "checkpoint.save_every=4"))
+                                                                      "checkpoint.save_every=4", *REFERENCE_LAYOUT))
     return folder / "run", read_jsonl(folder / "run" / "metrics.jsonl")
 
 
@@ -300,6 +307,22 @@ SPLIT_OVERRIDES = ["trainer.placement=split", "trainer.rollout_workers=2", "algo
 # samples of 16, so most samples cross a weight update; tokens up to 2 versions behind the trainer
 FULLY_ASYNC = ["trainer.placement=split", "trainer.rollout_workers=2", "rollout.mode=fully_async",
                "rollout.segment_tokens=2", "rollout.max_staleness=2", "algorithm.rollout_correction=tis"]
+
+
+# 1-token segments of 48-token samples: a batch takes far longer to generate than a step of this tiny model
+# takes to train, so samples in flight cross weight updates whatever the machine's speed (with 2-token
+# segments of 16, a CI machine generated every sample within one step: no sample spanned)
+SPANNING_SEGMENTS = ["rollout.segment_tokens=1", "rollout.max_new_tokens=48"]
+
+
+@pytest.fixture(scope="session")
+def fully_async_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    """4 steps of rollout.mode=fully_async (SPANNING_SEGMENTS), saved every step, all 4 kept: tests/test_train.py
+    checks the stream's versions and log-probs, tests/test_resume.py resumes a copy of its step-2 checkpoint
+    with a tighter staleness bound (one world for both)."""
+    d = tmp_path_factory.mktemp("fully-async") / "run"
+    return d, hpcrl_run(d, *FULLY_ASYNC, *SPANNING_SEGMENTS, "trainer.total_steps=4", "checkpoint.save_every=1",
+                        "checkpoint.keep_last=4")
 
 
 @pytest.fixture(scope="session")
@@ -326,11 +349,13 @@ def hf_token_logprobs(model_dir: Path, batch: dict, temperature: float):
     return out
 
 
-# The tiny Qwen3-MoE at expert parallel 2 (configs/grpo_tiny_moe.yaml at TP=1, DP=4: each rank 4 of the 8
-# experts; vLLM's fused-MoE engines at rollout TP 2), without the load-balancing loss: megatron's is a
-# micro-batch's, so another DP size gives another term (tests/programs/moe_checks.py checks it at one)
-MOE_EP2 = ["rollout.tensor_parallel=2", "actor.parallel.tensor_parallel=1", "actor.parallel.sequence_parallel=false",
-           "actor.parallel.expert_parallel=2", "actor.moe.aux_loss_coeff=0"]
+# The tiny Qwen3-MoE at expert parallel 2 (configs/grpo_tiny_moe.yaml on 2 workers at TP=1, DP=2: each rank 4
+# of the 8 experts; one vLLM fused-MoE engine at rollout TP 2), without the load-balancing loss: megatron's is
+# a micro-batch's, so another DP size gives another term (tests/programs/moe_checks.py checks it at one). 2
+# workers, not the recipe's 4: 2 ranks fewer in each of its 3 worlds (the expert-DP reduction of EP=2 on 4
+# ranks: tests/programs/moe_checks.py's "moe update ep2")
+MOE_EP2 = ["trainer.workers_per_node=2", "rollout.tensor_parallel=2", "actor.parallel.tensor_parallel=1",
+           "actor.parallel.sequence_parallel=false", "actor.parallel.expert_parallel=2", "actor.moe.aux_loss_coeff=0"]
 
 
 @pytest.fixture(scope="session")

@@ -2,10 +2,12 @@
 gets its weights, generates part of every segment, dies in the middle of a step, and the run finishes
 with every prompt trained once; and the refusals (another config, a run that is not running).
 
-One local run of the tiny model (50 short steps) and one pool job on the local Slurm cluster, submitted
+One local run of the tiny model (at most 50 short steps) and one pool job on the local Slurm cluster, submitted
 with `hpcrl submit --join` (1 node x 2 workers): worker 0 SIGKILLs itself as its 100th segment arrives
 (HPCRL_FAULT, hpcrl.launch.faults: what the run sees is a kill -9 from outside at a known moment, a
-segment in flight), then the test cancels the job with scancel.
+segment in flight), then the test cancels the job with scancel. Once the run has trained 3 steps more on its
+own engines it is stopped by SIGTERM (it saves at the step boundary and exits 0): the ~12 steps it ran after
+that to reach 50 checked nothing more and cost ~40 CPU-s.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import time
@@ -25,7 +28,7 @@ from omegaconf import OmegaConf
 
 from hpcrl.pools.wire import MAX_FRAME_BYTES, Channel, fingerprint_differences
 
-STEPS = 50
+STEPS = 50  # at most: the pool job needs ~30 steps of the run to start on the loaded CI box
 BATCH_PROMPTS = 8  # configs/grpo_tiny.yaml data.train_batch_size
 
 
@@ -104,6 +107,13 @@ def test_pool_job_joins_gets_weights_leaves_mid_step_and_every_prompt_trains_onc
         status = run([HPCRL, "status", str(d)])
         assert re.search(rf"pool {job}: 2 worker\(s\): 1 gone, 1 live", status.stdout), status.stdout
         assert run(["scancel", job]).returncode == 0
+        cancelled_at = _steps_done(d)
+        # 3 steps more on the run's own engines (the cancelled worker may still serve the first), then SIGTERM
+        # (what scancel or a preemption sends): the controller saves at the step boundary and exits 0
+        _wait(lambda: _steps_done(d) >= min(cancelled_at + 3, STEPS), proc, tmp_path, 600)
+        (rank0_log,) = (d / "logs").glob("rank0.*.log")  # the controller's file names its pid
+        if proc.poll() is None:  # (not already at its last step)
+            os.kill(int(re.search(r"start pid=(\d+)", rank0_log.read_text()).group(1)), signal.SIGTERM)
         assert proc.wait(timeout=900) == 0, (tmp_path / "run.out").read_text()[-6000:]
     finally:
         if job is not None:
@@ -112,7 +122,9 @@ def test_pool_job_joins_gets_weights_leaves_mid_step_and_every_prompt_trains_onc
             proc.kill()
         out.close()
     steps = read_jsonl(d / "metrics.jsonl")
-    assert [m["step"] for m in steps] == list(range(1, STEPS + 1))
+    stopped = len(steps)
+    assert min(cancelled_at + 3, STEPS) <= stopped <= STEPS
+    assert [m["step"] for m in steps] == list(range(1, stopped + 1))
     workers = [int(m["rollout/workers"]) for m in steps]
     joined = next(i for i, w in enumerate(workers) if w > 2) + 1  # the first step after whose update a pool
     # worker held the weights
@@ -131,7 +143,7 @@ def test_pool_job_joins_gets_weights_leaves_mid_step_and_every_prompt_trains_onc
     # the workers ran each update's weights. (Tested control: a worker that received the weights without
     # loading them failed this, its tokens made by the model file's weights.)
     held: dict[int, dict[tuple[int, ...], list[tuple[int, float]]]] = {}
-    for step in range(joined, STEPS + 1):
+    for step in range(joined, stopped + 1):
         state = torch.load(d / "checkpoints" / f"step_{step:08d}" / "stream.pt", weights_only=True)
         for g in state["groups"]:
             for smp in g["samples"]:
@@ -155,11 +167,11 @@ def test_pool_job_joins_gets_weights_leaves_mid_step_and_every_prompt_trains_onc
         checked += sum(len(x) for x in seqs.values())
     print("pool tokens: |HF - recorded| per version:", worst, "tokens:", checked)
     assert max(worst.values()) < 1e-4, worst
-    # every prompt drawn trained exactly once: the stream draws no more than STEPS batches
+    # every prompt trained exactly once (those in flight at the stop are in the checkpoint's stream)
     rows = [r for m in steps for r in m["data/prompt_rows"]]
-    assert len(rows) == STEPS * BATCH_PROMPTS and len(set(rows)) == len(rows)
+    assert len(rows) == stopped * BATCH_PROMPTS and len(set(rows)) == len(rows)
     r = run([HPCRL, "status", str(d)])
-    assert r.returncode == 0 and f"not running, step {STEPS}" in r.stdout, r.stdout
+    assert r.returncode == 0 and f"not running, step {stopped}" in r.stdout, r.stdout
     assert r.stdout.count("connection lost") == 2, r.stdout
     # joining a run that is not running: exit 2 saying so, nothing in the run directory changed
     before = _tree(d)
@@ -167,6 +179,11 @@ def test_pool_job_joins_gets_weights_leaves_mid_step_and_every_prompt_trains_onc
         r = run(cmd, timeout=120, env=env)
         assert r.returncode == 2 and "start the run first" in r.stderr, (cmd, r.returncode, r.stderr)
     assert _tree(d) == before
+
+
+def _steps_done(d: Path) -> int:
+    p = d / "metrics.jsonl"
+    return len(p.read_text().splitlines()) if p.exists() else 0
 
 
 def _wait(done, proc: subprocess.Popen, tmp_path: Path, timeout: float) -> None:

@@ -196,7 +196,7 @@ def test_signals_reach_the_controller_and_cancel(tmp_path: Path, env_registry: d
 def test_submit_moe_runs_two_steps_then_resumes_on_a_node_range(jobs: dict, moe_ep2: tuple[Path, list[dict]],
                                                                  tmp_path: Path, env_registry: dict[str, str]) -> None:
     """hpcrl submit configs/grpo_tiny_moe.yaml (tiny Qwen3-MoE, TP=2 SP, routing replay) after the jobs above:
-    a copy of the session's MoE run (conftest.moe_ep2: its first 2 steps, trained locally at EP=2 on 4 workers,
+    a copy of the session's MoE run (conftest.moe_ep2: its first 2 steps, trained locally at EP=2 on 2 workers,
     with the fp32 rollout-vs-actor gap after each sync) submitted with `hpcrl submit --nodes 1-2` resumes from
     its step-2 checkpoint on what Slurm grants and trains step 3 at the config's layout with routing replay
     (EP=1: the experts' files of both EP ranks converted), within fp32 rounding of the fixture's own step 3
@@ -210,7 +210,7 @@ def test_submit_moe_runs_two_steps_then_resumes_on_a_node_range(jobs: dict, moe_
     assert [m["step"] for m in src_steps[:2]] == [1, 2]
     assert all(m["rollout_actor_logprob_gap_max"] < 1e-4 and m["actor/moe/replayed_share"] > 0.9
                for m in src_steps[:2]), src_steps
-    # the run directory submitted on whatever Slurm grants of 1-2 nodes x 2 workers (the fixture had 1 x 4):
+    # the run directory submitted on whatever Slurm grants of 1-2 nodes x 2 workers (the fixture had 1 x 2, at EP=2):
     # it resumes from step 2 and trains step 3 with the DP the allocation gives
     r = run([HPCRL, "submit", "--nodes", "1-2", "--json", "configs/grpo_tiny_moe.yaml", "trainer.total_steps=3",
              "trainer.val_every=0", "trainer.workers_per_node=2", "rollout.tensor_parallel=2",
