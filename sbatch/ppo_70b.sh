@@ -32,7 +32,7 @@
 # apply to every group; measured with Slurm 22.05). Arguments after the script are config overrides:
 #
 #   sbatch --partition=normal --cpus-per-task=1 --mem=3G --time=30 \
-#        : --partition=normal --nodes=2 --ntasks-per-node=2 --cpus-per-task=1 --mem=3G --gpus-per-node=0 \
+#        : --partition=normal --nodes=2 --ntasks-per-node=1 --cpus-per-task=1 --mem=3G --gpus-per-node=0 \
 #          --oversubscribe \
 #        sbatch/ppo_70b.sh model.path=models/tiny-qwen2 model.dtype=fp32 trainer.device=cpu trainer.total_steps=2 ...
 #

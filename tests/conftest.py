@@ -55,8 +55,8 @@ def cuda_available() -> bool:
 
 # Fixtures that start a multi-rank world, an `hpcrl run` or Slurm jobs: a test that uses one is a `world`
 # test (what `make test-quick` leaves out), like the tests marked `world` or `slurm` themselves.
-WORLD_FIXTURES = {"checks", "killed_world", "scenarios", "grpo_reference", "one_step_off", "moe_ep2", "ppo",
-                  "bf16_run", "tools_run", "lora_run", "dpo_tiny", "jobs", "slurm_cluster"}
+WORLD_FIXTURES = {"checks", "killed_world", "scenarios", "grpo_reference", "one_step_off", "fully_async_run",
+                  "moe_ep2", "ppo", "bf16_run", "tools_run", "lora_run", "dpo_tiny", "jobs", "slurm_cluster"}
 
 
 def _shared_fixture_keys(item: pytest.Item) -> set[str]:
@@ -329,7 +329,7 @@ def fully_async_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, lis
 def one_step_off(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
     """The uninterrupted one-step-off run (tests/test_train.py checks it learns, and recomputes a
     queued batch's log-probs with the two checkpoints before it: saved every step, the last 3 kept;
-    tests/test_resume.py preempts a copy)."""
+    tests/test_resume.py resumes copies of its step-8 checkpoint, split and colocated)."""
     d = tmp_path_factory.mktemp("one-step-off") / "run"
     return d, hpcrl_run(d, *SPLIT_OVERRIDES, "checkpoint.save_every=1", "checkpoint.keep_last=3")
 

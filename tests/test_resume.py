@@ -377,38 +377,19 @@ def processes() -> dict[int, bytes]:
     return out
 
 
-def stop_after(args: list[str], run_dir: Path, steps: int) -> int:
-    """Start `hpcrl run ARGS`, SIGTERM its controller once `steps` steps are done (what scancel or a
-    preemption sends; locally the controller saves at the next step boundary and exits 0); the steps
-    done at the stop."""
-    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 600
-        while steps_done(run_dir) < steps:
-            assert proc.poll() is None and time.time() < deadline, f"the run ended before step {steps}"
-            time.sleep(0.1)
-        (log,) = (run_dir / "logs").glob("rank0.*.log")  # the controller's file names its pid
-        os.kill(int(re.search(r"start pid=(\d+)", log.read_text()).group(1)), 15)
-        assert proc.wait(timeout=300) == 0
-    finally:
-        proc.kill()
-    return steps_done(run_dir)
-
-
 def test_one_step_off_run_stopped_and_resumed_trains_on_the_same_batches(one_step_off: tuple[Path, list[dict]],
                                                                          tmp_path: Path) -> None:
-    """The split placement's one-step-off run, stopped by SIGTERM after a few steps (what scancel or a
-    preemption sends; locally the controller saves at the next step boundary and exits): its checkpoint
-    holds the batch generated for the next step, so the resumed run trains on exactly the batches of the
-    uninterrupted run. Each prompt is seen once, none skipped or repeated, and the weights at the end are
-    the same byte for byte."""
+    """The split placement's one-step-off run stopped after step 8 and resumed at the same layout: its
+    checkpoint holds the batch generated for the next step, so the resumed run trains on exactly the batches
+    of the uninterrupted run. Each prompt is seen once, none skipped or repeated, and the weights at the end
+    are the same byte for byte. The stop is a copy of the fixture's step-8 checkpoint: a stop's save (SIGTERM,
+    what scancel or a preemption sends: the controller saves at the next step boundary and exits 0) is the
+    same save at a step boundary, and a run of its own, stopped after step 3, cost a world and 7 steps more
+    (SIGTERM stops: tests/test_pools.py's fully_async split run, tests/test_dpo.py, the Slurm tests)."""
     ref_dir, ref_steps = one_step_off
-    run_dir = tmp_path / "run"
-    args = [HPCRL, "run", "configs/grpo_tiny.yaml", f"trainer.run_dir={run_dir}", *TRAIN_OVERRIDES, *SPLIT_OVERRIDES]
-    stopped = stop_after(args, run_dir, 3)
-    assert 3 <= stopped < TRAIN_STEPS
+    stopped = 8
+    run_dir = resumable_copy(ref_dir, tmp_path / "run", stopped)
     latest = run_dir / "checkpoints" / f"step_{stopped:08d}"
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == latest.name
     assert (latest / "rollouts_ahead.pt").is_file()  # the batch of step stopped + 1, generated before the stop
     steps = hpcrl_run(run_dir, *SPLIT_OVERRIDES)
     log = controller_log(run_dir)
@@ -527,7 +508,7 @@ def test_fsdp_engine_trains_a_family_megatron_cannot_and_resumes_bit_exact(slurm
     # SIGUSR1 after step 1 (what --signal=B:USR1@N does before the time limit): the controller saves at the
     # next step boundary and requeues the job itself; the restarted job resumes from the DCP checkpoint
     usr1 = tmp_path / "usr1" / "run"
-    job = submit(usr1, "preempt", *FSDP_PHI3, nodes=1)
+    job = submit(usr1, "preempt", *FSDP_PHI3, "trainer.workers_per_node=2", nodes=1)  # (not SLURM_OVERRIDES' 1)
     try:
         wait_for(lambda: (usr1 / "metrics.jsonl").exists(), 600, "step 1", job)
         while steps_done(usr1) < 1:  # (polled closely: the steps are short)

@@ -7,7 +7,7 @@ on the loaded 2-core CI box; they run one after the other since each takes 3 of 
 - A: `hpcrl submit --nodes 2 configs/grpo_tiny.yaml` for 3 steps, its run named with `$(touch ...)`, quotes,
   backticks, `;` and spaces (the run dir, job name and log paths carry the name), under a folder with a space;
 - B: `sbatch [group 0 options] : [group 1 options] sbatch/ppo_70b.sh <tiny overrides>`: PPO with a critic
-  (GAE) on the tiny model, 2 worker nodes x 2 workers, CPU.
+  (GAE) on the tiny model, 2 worker nodes x 1 worker (DP=2 for actor and critic), CPU.
 
 Before them, one short job (~30 s) checks that USR1 and TERM reach the controller and that `hpcrl cancel`
 works. Everything else is cheap: `--test-only` of the 70B script, a held dry-run script, unit checks.
@@ -34,18 +34,18 @@ TINY_PPO_OVERRIDES = [
     "model.path=models/tiny-qwen2", "model.dtype=fp32",
     "data.train_files=[data/arith/train.parquet]", "data.val_files=[data/arith/val.parquet]",
     "data.max_prompt_length=128", "data.train_batch_size=8", "data.val_batch_size=8",
-    "actor.parallel.tensor_parallel=2", "actor.parallel.pipeline_parallel=1", "actor.parallel.data_parallel=null",
+    "actor.parallel.tensor_parallel=1", "actor.parallel.pipeline_parallel=1", "actor.parallel.data_parallel=null",
     "actor.ppo_mini_batch_size=8", "actor.micro_batch_tokens=2048", "actor.offload=false",
-    "critic.parallel.tensor_parallel=2", "critic.parallel.pipeline_parallel=1", "critic.parallel.data_parallel=null",
+    "critic.parallel.tensor_parallel=1", "critic.parallel.pipeline_parallel=1", "critic.parallel.data_parallel=null",
     "critic.ppo_mini_batch_size=8", "critic.micro_batch_tokens=2048",
     "rollout.tensor_parallel=1", "rollout.n=2", "rollout.max_new_tokens=16", "rollout.weight_bucket_mb=16",
-    "trainer.nnodes=2", "trainer.workers_per_node=2", "trainer.device=cpu", "trainer.total_steps=2",
+    "trainer.nnodes=2", "trainer.workers_per_node=1", "trainer.device=cpu", "trainer.total_steps=2",
     "trainer.val_every=0", "trainer.timeout_s=300", "checkpoint.save_every=0", "checkpoint.async_save=false",
     "slurm.partition=normal", "slurm.gpus_per_node=0",
 ]
 # sbatch options that turn the 70B allocation into the local cluster's: group 0 before ':', group 1 after
 TINY_PPO_SBATCH = ["--partition=normal", "--cpus-per-task=1", "--mem=3G", "--time=30", ":",
-                   "--partition=normal", "--nodes=2", "--ntasks-per-node=2", "--cpus-per-task=1", "--mem=3G",
+                   "--partition=normal", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--mem=3G",
                    "--gpus-per-node=0", "--oversubscribe"]
 JOB_DEADLINE_S = 25 * 60  # per job, generous: the CI box runs other tests beside these
 

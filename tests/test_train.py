@@ -81,17 +81,19 @@ def test_step_record(algo: str, request: pytest.FixtureRequest) -> None:
 
 
 # The 70B recipe's numeric path on CPU: bf16 weights with fp32 masters, TP=2, sampling at T=0.7, with
-# PP=1 and rollout TP=1, and PP=2 and rollout TP=2 (bf16 with TP > 1 used to die in the first reshard:
-# megatron's CPU norms stay fp32 inside a bf16 model, and a bucket was sent as one dtype).
-BF16_LAYOUTS = {"tp2pp1-rollout1": ("1", "1"), "tp2pp2-rollout2": ("2", "2")}
+# PP=1 and rollout TP=1 on 2 workers, and PP=2 and rollout TP=2 on 4 (bf16 with TP > 1 used to die in the
+# first reshard: megatron's CPU norms stay fp32 inside a bf16 model, and a bucket was sent as one dtype).
+# (pipeline parallel, rollout TP, workers)
+BF16_LAYOUTS = {"tp2pp1-rollout1": ("1", "1", "2"), "tp2pp2-rollout2": ("2", "2", "4")}
 BF16_GAP_FLOOR = 1e-4  # rollout-vs-actor mean gap: bf16 measures 1.6e-3, fp32 2e-7 (see below)
 
 
 @pytest.fixture(scope="module", params=sorted(BF16_LAYOUTS))
 def bf16_run(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
-    pp, rollout_tp = BF16_LAYOUTS[request.param]
+    pp, rollout_tp, workers = BF16_LAYOUTS[request.param]
     d = tmp_path_factory.mktemp(f"bf16-{request.param}") / "run"
-    return d, hpcrl_run(d, "model.dtype=bf16", "trainer.total_steps=2", f"actor.parallel.pipeline_parallel={pp}",
+    return d, hpcrl_run(d, "model.dtype=bf16", "trainer.total_steps=2", f"trainer.workers_per_node={workers}",
+                        f"actor.parallel.pipeline_parallel={pp}",
                         f"rollout.tensor_parallel={rollout_tp}", "rollout.temperature=0.7", "checkpoint.save_every=0")
 
 
