@@ -571,8 +571,20 @@ def _check_moe(cfg: DictConfig, problems: list[str]) -> None:
 def value_problems(cfg: DictConfig) -> list[str]:
     """Every problem of the config's values: types, choices, ranges and the arithmetic between keys.
     Nothing here reads a file or knows an engine, a data set or a reward (hpcrl.trainer.preflight)."""
+    return range_problems(cfg) + arithmetic_problems(cfg)
+
+
+def range_problems(cfg: DictConfig) -> list[str]:
+    """The problems of single values (finite numbers, choices, ranges): the same on any number of nodes."""
     problems: list[str] = []
     _check_choices_and_ranges(cfg, problems)
+    return problems
+
+
+def arithmetic_problems(cfg: DictConfig) -> list[str]:
+    """The problems between keys: the layouts over the workers, the batch arithmetic, switches that exclude
+    each other. What a search over node counts (hpcrl.plan.report) checks at each count."""
+    problems: list[str] = []
     _check_layout(cfg, problems)
     _check_rl_switches(cfg, problems)
     _check_multi_turn(cfg, problems)
