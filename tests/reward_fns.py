@@ -67,3 +67,14 @@ def digit_fraction_slower_after_a_restart(data_source, solution_str, ground_trut
     if os.environ.get("SLURM_RESTART_COUNT") == "1":
         time.sleep(0.5)
     return digit_fraction(data_source, solution_str, ground_truth, extra_info)
+
+
+def digit_fraction_slower_before_a_restart(data_source, solution_str, ground_truth, extra_info=None):
+    """hpcrl.rewards.toy.digit_fraction, 0.5 s later a sample in a Slurm job's first run (no restart yet): the
+    same rewards, ~8 s a step. tests/test_resume.py's FSDP test sends SIGUSR1 after step 1 and needs the run
+    still going when it lands; slow steps that cost no CPU let the run be 6 steps instead of 20."""
+    from hpcrl.rewards.toy import digit_fraction
+
+    if os.environ.get("SLURM_JOB_ID") and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
+        time.sleep(0.5)
+    return digit_fraction(data_source, solution_str, ground_truth, extra_info)

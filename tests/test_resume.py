@@ -307,7 +307,7 @@ def test_resumed_on_other_allocations_trains_as_the_uninterrupted_run(grpo_refer
     """A checkpoint resumes on whatever allocation comes next (docs/checkpoint.md). The reference's
     step-8 checkpoint (2 workers, TP=1 x DP=2, colocated; AdamW's moments cut over DP) resumed for
     steps 9-10 on 2 workers at TP=2 x DP=1, on 1 worker, and split (2 trainer workers at TP=2, DP=1,
-    and 2 rollout workers; generation not ahead) for step 9, whose checkpoint resumes colocated on 2
+    and 1 rollout worker; generation not ahead) for step 9, whose checkpoint resumes colocated on 2
     workers at TP=1 x DP=2 for step 10. Each trains the uninterrupted run's prompts with its sampling seeds, draws
     the same samples (rewards and lengths equal), and ends with the same weights within fp32 rounding
     (measured: 7.3e-5 of the largest change of steps 9-10 at most). Resuming with another model or another
@@ -333,8 +333,8 @@ def test_resumed_on_other_allocations_trains_as_the_uninterrupted_run(grpo_refer
 
     tp2 = resume("tp2-dp1", "trainer.workers_per_node=2")  # (TRAIN_OVERRIDES: TP=2)
     one = resume("one-worker", "trainer.workers_per_node=1", "actor.parallel.tensor_parallel=1")
-    split = resume("split", "trainer.placement=split", "trainer.rollout_workers=2", "rollout.max_staleness=0",
-                   steps=9)
+    split = resume("split", "trainer.workers_per_node=3", "trainer.placement=split", "trainer.rollout_workers=1",
+                   "rollout.max_staleness=0", steps=9)
     assert "split" in controller_log(split)
     back = resume("split-then-colocated", "trainer.workers_per_node=2", "actor.parallel.tensor_parallel=1",
                   src=split)
@@ -450,8 +450,9 @@ def test_fully_async_run_stopped_mid_stream_resumes_each_prompt_once(grpo_refere
                 timeout=300)
     assert other.returncode == 2 and "the checkpoint holds the samples of a fully_async stream" in other.stderr, \
         other.stderr[-2000:]
-    steps = hpcrl_run(run_dir, *FULLY_ASYNC, *SPANNING_SEGMENTS, f"trainer.total_steps={total}",
-                      "rollout.max_staleness=1")
+    # the samples' length of the fixture, in segments of 4 tokens: what the saved stream holds is per token
+    steps = hpcrl_run(run_dir, *FULLY_ASYNC, *SPANNING_SEGMENTS, "rollout.segment_tokens=4",
+                      f"trainer.total_steps={total}", "rollout.max_staleness=1")
     assert f"resumed with {len(state['groups'])} group(s) of the stream" in controller_log(run_dir)
     assert [m["step"] for m in steps] == list(range(1, total + 1))
     assert steps[stopped]["stream/dropped_groups"] == len(too_stale), (too_stale, steps[stopped])
@@ -463,9 +464,10 @@ def test_fully_async_run_stopped_mid_stream_resumes_each_prompt_once(grpo_refere
     assert sorted(rows) == sorted(r for m in ref_steps[:total] for r in m["data/prompt_rows"])
 
 
-# 20 steps of ~0.3 s: long enough that the SIGUSR1 sent after step 1 lands mid-run (with 4 steps the
-# run could end before the signal arrived, and the job finish without the requeue the test is about)
-FSDP_STEPS = 20
+# 6 steps: the Slurm job's first run scores its samples 0.5 s later each (~8 s a step, no CPU), so the SIGUSR1 sent
+# after step 1 lands mid-run; the restart trains steps 3-6 at full speed (with 4 steps of ~0.3 s the run could end
+# before the signal arrived, and the job finish without the requeue the test is about; 20 such steps did it)
+FSDP_STEPS = 6
 FSDP_PHI3 = ["actor.engine=fsdp", "model.path=models/tiny-phi3", "actor.parallel.tensor_parallel=1",
              "algorithm.adv_estimator=grpo", f"trainer.total_steps={FSDP_STEPS}", "checkpoint.save_every=2"]
 
@@ -480,7 +482,7 @@ def test_fsdp_engine_trains_a_family_megatron_cannot_and_resumes_bit_exact(slurm
     requeues itself and resumes at the same layout: it ends byte for byte as the uninterrupted run, with
     the same step records (a whole world killed in a save is tests/test_dpo.py's
     test_killed_then_stopped_run_resumes_bit_exact, the same checkpoint store for either engine). The
-    uninterrupted run's step-18 checkpoint resumed with the split placement (1 trainer worker at DP=1,
+    uninterrupted run's step-4 checkpoint resumed with the split placement (1 trainer worker at DP=1,
     DCP reshards; 1 rollout worker fed over the bridge) draws the same samples and ends within fp32
     rounding of it; resumed on the Megatron engine it is refused before anything starts, naming
     actor.engine."""
@@ -508,7 +510,9 @@ def test_fsdp_engine_trains_a_family_megatron_cannot_and_resumes_bit_exact(slurm
     # SIGUSR1 after step 1 (what --signal=B:USR1@N does before the time limit): the controller saves at the
     # next step boundary and requeues the job itself; the restarted job resumes from the DCP checkpoint
     usr1 = tmp_path / "usr1" / "run"
-    job = submit(usr1, "preempt", *FSDP_PHI3, "trainer.workers_per_node=2", nodes=1)  # (not SLURM_OVERRIDES' 1)
+    job = submit(usr1, "preempt", *FSDP_PHI3, "trainer.workers_per_node=2",  # (not SLURM_OVERRIDES' 1)
+                 "reward.function=reward_fns:digit_fraction_slower_before_a_restart", nodes=1,
+                 env={**os.environ, "PYTHONPATH": str(REPO / "tests")})
     try:
         wait_for(lambda: (usr1 / "metrics.jsonl").exists(), 600, "step 1", job)
         while steps_done(usr1) < 1:  # (polled closely: the steps are short)
@@ -526,7 +530,7 @@ def test_fsdp_engine_trains_a_family_megatron_cannot_and_resumes_bit_exact(slurm
     steps = read_jsonl(usr1 / "metrics.jsonl")
     assert [m["step"] for m in steps] == list(range(1, FSDP_STEPS + 1)) and same_records(whole, steps) == []
 
-    # the step-18 checkpoint resumed with the split placement: 1 trainer worker (DP=1: DCP reshards) and 1
+    # the step-4 checkpoint resumed with the split placement: 1 trainer worker (DP=1: DCP reshards) and 1
     # rollout worker, the weights sent over the bridge after each update (hpcrl.engines.transfer), generation
     # on-policy (max_staleness=0): the engine's log-probs equal the actor's (a stale or misnamed tensor
     # would show), the steps draw the same samples, and the weights end within fp32 rounding
