@@ -89,7 +89,7 @@ def xdist_groups(items: list[pytest.Item]) -> dict[str, str]:
     Slurm test in one group, run one after the other (they preempt each other's jobs, and one test stops
     the cluster's daemons), and tests that share a module or session fixture (a world, a run) in one group
     so that it is built once. Every other test goes wherever a worker is free. Returns nodeid -> group.
-    The Slurm group is the longest chain (~28 of the suite's 36 minutes on two workers, docs/benchmarks.md):
+    The Slurm group is the longest chain (the FSDP, three-kills, USR1 and pool tests, the submit jobs):
     through a fixture of SHARED_BETWEEN_WORKERS they do not pull in the other tests that use it (~4 min of
     tests for grpo_reference): the first worker to need it builds it, the other waits for it (built_once)."""
     parent = {i.nodeid: i.nodeid for i in items}
