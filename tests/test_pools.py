@@ -25,6 +25,7 @@ import pytest
 import torch
 from conftest import FULLY_ASYNC, HPCRL, REPO, TRAIN_OVERRIDES, hf_token_logprobs, hpcrl_cli, read_jsonl, run
 from omegaconf import OmegaConf
+from test_resume import steps_done
 
 from hpcrl.pools.wire import MAX_FRAME_BYTES, Channel, fingerprint_differences
 
@@ -110,10 +111,10 @@ def test_pool_job_joins_gets_weights_leaves_mid_step_and_every_prompt_trains_onc
         status = run([HPCRL, "status", str(d)])
         assert re.search(rf"pool {job}: 2 worker\(s\): 1 gone, 1 live", status.stdout), status.stdout
         assert run(["scancel", job]).returncode == 0
-        cancelled_at = _steps_done(d)
+        cancelled_at = steps_done(d)
         # 3 steps more on the run's own engines (the cancelled worker may still serve the first), then SIGTERM
         # (what scancel or a preemption sends): the controller saves at the step boundary and exits 0
-        _wait(lambda: _steps_done(d) >= min(cancelled_at + 3, STEPS), proc, tmp_path, 600)
+        _wait(lambda: steps_done(d) >= min(cancelled_at + 3, STEPS), proc, tmp_path, 600)
         (rank0_log,) = (d / "logs").glob("rank0.*.log")  # the controller's file names its pid
         if proc.poll() is None:  # (not already at its last step)
             os.kill(int(re.search(r"start pid=(\d+)", rank0_log.read_text()).group(1)), signal.SIGTERM)
@@ -182,11 +183,6 @@ def test_pool_job_joins_gets_weights_leaves_mid_step_and_every_prompt_trains_onc
         r = run(cmd, timeout=120, env=env)
         assert r.returncode == 2 and "start the run first" in r.stderr, (cmd, r.returncode, r.stderr)
     assert _tree(d) == before
-
-
-def _steps_done(d: Path) -> int:
-    p = d / "metrics.jsonl"
-    return len(p.read_text().splitlines()) if p.exists() else 0
 
 
 def _wait(done, proc: subprocess.Popen, tmp_path: Path, timeout: float) -> None:

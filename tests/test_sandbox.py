@@ -148,7 +148,9 @@ def check_infinite_loop(config: SandboxConfig) -> None:
 
 
 def test_infinite_loop_is_stopped_by_the_cpu_limit(sandbox_works):
-    check_infinite_loop(limits())
+    # the wall limit well above the CPU limit's wall time on a loaded box: beside a world and a Slurm job, 1 s
+    # of CPU once took over 5 s (CI, 2026-12-07), and the 5-s wall limit ended the loop first
+    check_infinite_loop(limits(wall_s=30.0))
 
 
 def test_sleeping_program_is_stopped_by_the_wall_limit(sandbox_works):
