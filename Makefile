@@ -9,11 +9,14 @@ XDIST ?= -n 2 --dist loadgroup --no-loadscope-reorder
 
 TINY_MODELS := qwen2 qwen3 qwen3-moe phi3
 
-.PHONY: setup models data test test-quick demo bench slurm-up slurm-down lint clean distclean \
+.PHONY: setup lock models data test test-quick demo bench slurm-up slurm-down lint clean distclean \
         smollm2 $(addprefix tiny-,$(TINY_MODELS))
 
 setup:                ## .venv with the pinned CPU stack (idempotent, ~1 s when up to date)
 	@bash tools/setup_venv.sh
+
+lock:                 ## requirements/cpu.lock from a fresh resolve of requirements/cpu.txt (after changing it)
+	@bash tools/lock_requirements.sh
 
 # one target a model: under `make -j` (make test) they build side by side, SmolLM2's ~27 s beside the rest
 models: $(addprefix tiny-,$(TINY_MODELS)) smollm2  ## offline models: tiny random Qwen2, Qwen3, Qwen3-MoE, Phi-3 (tests), SmolLM2-135M-Instruct (demo)
