@@ -299,8 +299,10 @@ def grpo_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list
 
 # GRPO with the split placement: workers 1-2 train (TP=2), workers 3-4 run one vLLM engine each; one
 # batch is generated ahead (rollout.max_staleness defaults to 1 there), with truncated importance weights
-SPLIT_OVERRIDES = ["trainer.placement=split", "trainer.rollout_workers=2", "algorithm.rollout_correction=tis",
-                   "checkpoint.save_every=4"]
+# the split placement on 3 workers: the trainer's 2 (TP=2) and 1 rollout worker (a second engine's start cost
+# more CPU than the generating it took over)
+SPLIT_OVERRIDES = ["trainer.placement=split", "trainer.workers_per_node=3", "trainer.rollout_workers=1",
+                   "algorithm.rollout_correction=tis", "checkpoint.save_every=4"]
 
 
 # the fully asynchronous rollout (hpcrl.trainer.stream): the engines generate 2 tokens a segment for

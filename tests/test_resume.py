@@ -404,8 +404,8 @@ def test_one_step_off_run_stopped_and_resumed_trains_on_the_same_batches(one_ste
 def test_one_step_off_checkpoint_resumes_colocated_on_the_same_prompts(one_step_off: tuple[Path, list[dict]],
                                                                        tmp_path: Path) -> None:
     """The reverse of the split resume above: the one-step-off run's step-8 checkpoint (split placement on
-    4 workers, holding the batch generated ahead for step 9) resumed colocated on 2 workers (the trainer's
-    TP=2; 2 ranks fewer to start than on 4, and the queued batch crosses to another allocation), generation
+    3 workers, holding the batch generated ahead for step 9) resumed colocated on 2 workers (the trainer's
+    TP=2; the queued batch crosses to another allocation), generation
     not ahead. The queued batch, a step staler than the new bound of 0, is generated again from its prompts
     with the current weights (logged), so steps 9-10 train the prompts the one-step-off run trained, each
     prompt once."""

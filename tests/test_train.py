@@ -404,11 +404,11 @@ def test_one_step_off_split_placement_learns(one_step_off: tuple[Path, list[dict
     assert transfers == steps[:-1] and all(m["time/transfer"] > 0 for m in transfers)
     # every rollout rank received the model's tensors once (rollout TP=1: exactly its engine's weights)
     assert all(m["weights/received_mb_max"] == m["weights/sent_mb"] > 1.0 for m in transfers)
-    # each side's peak memory is recorded: 2 trainer ranks and 2 rollout ranks, and the memory plan
+    # each side's peak memory is recorded: 2 trainer ranks and 1 rollout rank, and the memory plan
     # of each kind of worker (hpcrl plan: a trainer worker without vLLM, a rollout worker with vLLM
     # alone) is near what each kind measured: measured / planned 1.00 and 1.06 in a run alone, 1.23
     # and 1.27 inside a whole CI run from a fresh clone (docs/planner.md)
-    assert all(f"memory/rank{r}/rss_gb" in steps[-1] for r in range(1, 5))
+    assert all(f"memory/rank{r}/rss_gb" in steps[-1] for r in range(1, 4))
     r = hpcrl_cli("plan", str(run_dir / "config.yaml"), "--compare", str(run_dir))
     ratios = [float(x) for x in re.findall(r"median measured / estimated over steps >= 2: ([0-9.]+)", r.stdout)]
     assert r.returncode == 0 and len(ratios) == 2 and all(0.9 <= x <= 1.4 for x in ratios), r.stdout + r.stderr
