@@ -130,10 +130,11 @@ def plan_rows() -> list[tuple[str, list[str], str]]:
     ]
 
 
-def main() -> None:
+def main() -> int:
+    """Exit status 1 when a CP's activation memory missed its goal (the table says which), else 0."""
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         child(sys.argv[2], sys.argv[3])
-        return
+        return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=8192, help="sequence length (SmolLM2 holds 8192 positions)")
     p.add_argument("--cps", type=int, nargs="+", default=[1, 2, 4])
@@ -146,6 +147,7 @@ def main() -> None:
     p.add_argument("--plan-only", action="store_true")
     args = p.parse_args()
     print(f"[bench_long] load average {os.getloadavg()}, {os.cpu_count()} cores", flush=True)
+    missed = []  # the CPs whose activation memory is not within 15% of CP=1's / CP
     if not args.plan_only:
         tmp = Path(tempfile.mkdtemp(prefix="hpcrl-bench-long-"))
         results = {}
@@ -169,8 +171,18 @@ def main() -> None:
             act, mean = max(acts), sum(acts) / len(acts)
             print(f"  CP={cp}: largest {act:.3f} GB, mean {mean:.3f} GB vs {want:.3f} GB -> {act / want - 1:+.1%} / "
                   f"{mean / want - 1:+.1%} ({'met' if abs(act / want - 1) <= 0.15 else 'NOT met'})")
-    if args.skip_plan:
-        return
+            if abs(act / want - 1) > 0.15:
+                missed.append(cp)
+    if not args.skip_plan:
+        plan_table()
+    if missed:
+        print(f"\n[bench_long] goal NOT met at CP={', '.join(map(str, missed))}: exit 1", flush=True)
+        return 1
+    return 0
+
+
+def plan_table() -> None:
+    """hpcrl plan's rows for the long-sequence recipes, each at CP=1 and with CP."""
     for label, argv, with_cp in plan_rows():
         for extra in ([], [with_cp]):
             cmd = [str(REPO / ".venv" / "bin" / "hpcrl"), "plan", *argv, *extra]
@@ -180,5 +192,6 @@ def main() -> None:
             print(f"\n[bench_long] {label}{', ' + with_cp if extra else ', CP=1'}: exit {r.returncode}\n  "
                   + "\n  ".join(lines) + (r.stderr[-800:] if r.returncode not in (0, 3) else ""))
 
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -6,7 +6,8 @@
 #    reference PPO step (fp32 and bf16 with fp32 masters, T=0.7, 2 mini-batches x 2 epochs);
 # 2. with CUDA vLLM: a 3-step bf16 GRPO run on SmolLM2-135M (`hpcrl run configs/grpo_smollm2.yaml`,
 #    one worker per GPU): vLLM rollout, reshard with sleep/wake and trainer offload, then it prints
-#    the reshard time, rollout tokens/s and the rollout-vs-actor log-prob gap of every step.
+#    the reshard time, rollout tokens/s and the rollout-vs-actor log-prob gap of every step, and fails
+#    unless all 3 steps ran with a mean gap under 0.05 nats.
 #    Without vLLM (it does not install offline, and its wheel is too big to carry) part 2 is
 #    skipped with a message.
 # The budget is 10 minutes on a fresh GPU machine, install included.
@@ -54,7 +55,9 @@ log "running the Megatron checks on $ngpu GPU worker(s)"
 rc=0
 layouts=$(for l in 1x1 2x1 1x2 2x2; do (( ngpu % (${l%x*} * ${l#*x}) == 0 )) && printf '%s ' "$l"; done)
 log "layouts that $ngpu GPU(s) can hold: $layouts"
-HPCRL_TEST_WORKERS=$ngpu HPCRL_TEST_LAYOUTS=$layouts "$VENV/bin/python" -m pytest -v -rA tests/test_megatron_engine.py "$@" || rc=$?
+wide=$( (( ngpu % 4 == 0 )) && echo "long moe" || true)
+log "checks that need 4 GPUs (long sequences at CP 2 x TP 2, MoE at EP 4): ${wide:-none on $ngpu GPU(s)}"
+HPCRL_TEST_WORKERS=$ngpu HPCRL_TEST_LAYOUTS=$layouts HPCRL_TEST_WIDE=$wide "$VENV/bin/python" -m pytest -v -rA tests/test_megatron_engine.py "$@" || rc=$?
 log "Megatron checks: exit $rc after $((SECONDS - start)) s"
 if [[ ${SKIP_VLLM:-0} != 1 ]] && ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
   log "installing vllm (CUDA) for the rollout part"
@@ -69,12 +72,25 @@ if [[ ${SKIP_VLLM:-0} != 1 ]] && "$VENV/bin/python" -c "import vllm" 2>/dev/null
     trainer.run_dir="$run_dir" checkpoint.save_every=0 logging.tensorboard=false || rc=$?
   "$VENV/bin/python" - "$run_dir/metrics.jsonl" <<'PY' || rc=$?
 import json, sys
-for line in open(sys.argv[1]):
-    m = json.loads(line)
+steps = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+for m in steps:
     tps = m.get("throughput/rollout_tokens_per_s", 0.0)
     print(f"[gpu-smoke] step {m['step']}: reshard {m.get('time/reshard', 0):.2f} s, rollout {tps:.0f} tokens/s, "
           f"log-prob gap mean {m['rollout_actor_logprob_gap_mean']:.2e} max {m['rollout_actor_logprob_gap_max']:.2e}, "
           f"step {m['time/step']:.1f} s")
+# every step ran, and vLLM generated with weights close to the trainer's after each reshard. The bound is
+# not yet measured on a GPU (bf16 on both sides, different attention kernels): 0.05 nats of mean gap fails a
+# weight lost, transposed or misplaced by the reshard, not a reload one step stale (tests/test_rollout.py
+# checks that on the CPU, in fp32). Tighten it to ~10x what a GPU run measures.
+problems = []
+if [m["step"] for m in steps] != [1, 2, 3]:
+    problems.append(f"steps {[m['step'] for m in steps]}, expected [1, 2, 3]")
+worst = max((m["rollout_actor_logprob_gap_mean"] for m in steps), default=float("inf"))
+if not worst < 0.05:
+    problems.append(f"rollout-vs-actor log-prob gap mean {worst:.3g} >= 0.05")
+for p in problems:
+    print(f"[gpu-smoke] FAILED: {p}")
+sys.exit(1 if problems else 0)
 PY
 else
   log "no vLLM: the rollout / GRPO part is skipped"

@@ -185,6 +185,8 @@ def actor_update(model: torch.nn.Module, batch: dict[str, torch.Tensor], minibat
     Per response token, with lp = log_softmax(logits[t-1].float() / T)[ids[t]] and r = exp(lp - old_logprob):
       pg = max(-A r, -A clamp(r, 1 - clip_low, 1 + clip_high))          (Schulman 2017; clip_high != clip_low: DAPO)
       pg = min(pg, -A c) where A < 0, if dual_clip_c = c is given        (Ye et al. 2020)
+      pg = w pg, if the batch has is_weight = w                           (decoupled PPO's behaviour weight:
+                                                                          truncated (tis) or masked (mis) IS)
       kl = k1 | k2 | k3(lp, ref_logprob) by kl_type                      (Schulman 2020), if kl_coef != 0
       H  = -sum_v p_v log p_v of softmax(logits[t-1].float() / T), if entropy_coeff != 0
     loss = agg(pg) + kl_coef agg(kl) - entropy_coeff agg(H), agg = loss_agg_mode (see _seq_weights).
@@ -208,6 +210,8 @@ def actor_update(model: torch.nn.Module, batch: dict[str, torch.Tensor], minibat
         if dual_clip_c is not None:
             loss = torch.where(adv < 0, torch.minimum(loss, -adv * dual_clip_c), loss)
             flags["dual_clip"] = ((adv < 0) & (ratio > dual_clip_c)).detach()
+        if "is_weight" in batch:
+            loss = loss * batch["is_weight"][i, :n].float()
         if use_kl:
             loss = loss + kl_coef * _kl(lp, batch["ref_logprob"][i, :n].float(), kl_type)
         if entropy_coeff != 0.0:
