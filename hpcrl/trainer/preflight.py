@@ -234,6 +234,10 @@ def _check_experts(cfg: DictConfig, hf: dict[str, Any], problems: list[str]) -> 
             problems.append(f"rollout.routing_replay=true: {dense}; there is no expert routing to replay. Set it "
                             "to false.")
         return
+    if cfg.rollout.routing_replay and not is_dpo(cfg) and "actor" in layouts and layouts["actor"].pp > 1:
+        problems.append(f"rollout.routing_replay=true with actor.parallel.pipeline_parallel={layouts['actor'].pp}: "
+                        "routing replay across pipeline stages is not supported yet (no hpcrl check has run it). "
+                        "Set actor.parallel.pipeline_parallel=1, or rollout.routing_replay=false.")
     dense_layers = list(hf.get("mlp_only_layers") or [])
     if dense_layers or hf.get("decoder_sparse_step", 1) not in (1, None):
         problems.append(f"{where}: MoE on some layers only (mlp_only_layers={dense_layers}, decoder_sparse_step="
@@ -251,6 +255,11 @@ def _check_experts(cfg: DictConfig, hf: dict[str, Any], problems: list[str]) -> 
                             f"(num_experts); EP must divide them, and the {role}'s DP x CP = {room}. Use "
                             f"expert_parallel in {{{fits}}}.")
         trains = role == "actor" or (role == "critic" and not cfg.critic.model_path)
+        if trains and lay.cp > 1:  # (issue 55: accepted before, never run)
+            problems.append(f"{role}.parallel.context_parallel={lay.cp}: an MoE model with context parallel is not "
+                            "supported yet (no hpcrl check has run the experts' token dispatch or routing replay "
+                            "across CP ranks). Set it to 1; for long sequences of an MoE model use tensor and "
+                            "expert parallel.")
         if trains and lay.tp > 1 and not lay.sp:
             problems.append(f"{role}.parallel.sequence_parallel=false: an MoE model trains at tensor parallel "
                             f"{lay.tp} with sequence parallel only (megatron's MoE layer refuses TP without it). "
