@@ -511,13 +511,13 @@ def test_moe_layouts_print_ep_only_when_used(tmp_path) -> None:
 
 def test_moe_model_with_the_moe_keys_validates(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     """An MoE model takes the routers' losses in every trained role, TP with sequence parallel, and
-    TP=1, expert parallel dividing the experts and DP x CP; a dense Qwen3 takes the defaults."""
+    TP=1, expert parallel dividing the experts and DP; a dense Qwen3 takes the defaults. (Context
+    parallel on an MoE model is refused until a check runs it: tests/data/malformed_configs.yaml.)"""
     moe = hf_folder(tmp_path, "moe", QWEN3_MOE)
     for overrides in (
             ["actor.parallel.sequence_parallel=true", "actor.moe.aux_loss_coeff=0.001",
              "actor.moe.z_loss_coeff=0.001"],
             ["actor.parallel.tensor_parallel=1", "actor.ppo_mini_batch_size=8"],
-            ["actor.parallel.tensor_parallel=1", "actor.parallel.context_parallel=2"],
             ["actor.parallel.tensor_parallel=1", "actor.parallel.expert_parallel=4"],
             ["actor.parallel.sequence_parallel=true", "actor.parallel.expert_parallel=2"],
             ["algorithm.adv_estimator=gae", "actor.parallel.sequence_parallel=true",
