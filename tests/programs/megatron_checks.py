@@ -489,6 +489,26 @@ def reference_step_checks(workers: int, res: dict[str, Any], timed: Any) -> None
         actor.close()
         timed(f"reference step fsdp dp{dp}", t0)
     if megatron_update is not None:
+        # bf16 on the FSDP engine (the GPU default: torch's MixedPrecisionPolicy, bf16 compute from the fp32
+        # shards, gradients reduced in fp32) on every worker, against the reference's bf16 model with fp32
+        # masters; and against the fp32 update, which it must not equal (else it did not compute in bf16)
+        case, megatron_got = megatron_update
+        t0 = time.time()
+        bf16_case = {**case, "dtype": "bf16"}
+        cfg = reference_case_cfg(bf16_case, len(batch), 1, 1, REF_T, engine="fsdp")
+        actor = WorkerGroup(MegatronRole, init_kwargs={"cfg": cfg, "role": "actor"}, name="fsdp-bf16")
+        metrics, steps = recorded_update(actor, batch, case["agg"])
+        got = merged(actor.hf_weights())
+        ref = run_reference(plain, rows, reference_settings(cfg, bf16_case, REF_T, masters_fp32=True))
+        described = actor.describe()
+        res["reference_fsdp_bf16"] = {
+            "engine": {k: described[k] for k in ("engine", "dp", "tp", "pp", "spec")},
+            "dtypes": sorted({str(v.dtype) for v in got.values()}),
+            "optimizer_steps": metrics["optimizer_steps"], **reference_errors(ref, steps, got, w0),
+            "hpcrl_grad_norm_mean": metrics["grad_norm"], "grad_norms": ref["grad_norms"],
+            "vs_fp32_update_rel": rel_diff(delta(got, w0), delta(megatron_got, w0))}
+        actor.close()
+        timed("reference step fsdp bf16", t0)
         res["fsdp_recompute"] = fsdp_recompute_check(batch, make_cfg)
         timed("fsdp recompute", t0)
         t0 = time.time()
