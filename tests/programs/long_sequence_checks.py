@@ -22,7 +22,7 @@ from hpcrl.workers.reward_model import RewardModelRole
 
 # (TP, CP, SP): the plain layout (DP 4), CP 2 (DP 2), CP 2 x TP 2 with SP (DP 1)
 LONG_LAYOUTS = [(1, 1, False), (1, 2, False), (2, 2, True)]
-LONG_TOKENS = 1536  # per sequence of the recompute memory check (tiny model: 2 layers, hidden 128)
+LONG_TOKENS = 2048  # per sequence of the recompute memory check (tiny model: 2 layers, hidden 128)
 
 
 class PeakRole(MegatronRole):
