@@ -509,6 +509,7 @@ def reference_step_checks(workers: int, res: dict[str, Any], timed: Any) -> None
             "vs_fp32_update_rel": rel_diff(delta(got, w0), delta(megatron_got, w0))}
         actor.close()
         timed("reference step fsdp bf16", t0)
+        t0 = time.time()
         res["fsdp_recompute"] = fsdp_recompute_check(batch, make_cfg)
         timed("fsdp recompute", t0)
         t0 = time.time()
